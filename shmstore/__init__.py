@@ -1,0 +1,76 @@
+"""shmstore: preprocessed multimodal tensors in one shared-memory ring, read in place by N workers.
+
+The core import stays light (numpy, msgpack, posix_ipc); torch is imported only when a tensor
+is met.
+"""
+
+from .errors import (
+    BadMagic,
+    CorruptObject,
+    IncompatibleSegment,
+    InvalidHandle,
+    InvalidKey,
+    InvalidName,
+    KeyExists,
+    KeyNotCached,
+    ObjectTooLarge,
+    ReaderIndexError,
+    ReaderSlotBusy,
+    SegmentClosed,
+    SegmentExists,
+    SegmentNotFound,
+    SegmentPermissionError,
+    SegmentTooSmall,
+    ShmSpaceError,
+    ShmStoreError,
+    StaleHandle,
+    StoreFull,
+    Timeout,
+    VersionMismatch,
+    WrongSegmentKind,
+)
+from .handle import Handle
+from .ring import RingWriter, ShmRingBuffer
+from .segment import Segment
+from .serde import decode, dumps, encode, loads
+from .store import ObjectStore, StoreReader, StoreStats, StoreWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadMagic",
+    "CorruptObject",
+    "Handle",
+    "IncompatibleSegment",
+    "InvalidHandle",
+    "InvalidKey",
+    "InvalidName",
+    "KeyExists",
+    "KeyNotCached",
+    "ObjectStore",
+    "ObjectTooLarge",
+    "ReaderIndexError",
+    "ReaderSlotBusy",
+    "RingWriter",
+    "Segment",
+    "SegmentClosed",
+    "SegmentExists",
+    "SegmentNotFound",
+    "SegmentPermissionError",
+    "SegmentTooSmall",
+    "ShmRingBuffer",
+    "ShmSpaceError",
+    "ShmStoreError",
+    "StaleHandle",
+    "StoreFull",
+    "StoreReader",
+    "StoreStats",
+    "StoreWriter",
+    "Timeout",
+    "VersionMismatch",
+    "WrongSegmentKind",
+    "decode",
+    "dumps",
+    "encode",
+    "loads",
+]

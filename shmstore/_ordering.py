@@ -1,0 +1,99 @@
+"""Publish/consume ordering for 8-byte counters that cross processes.
+
+Two places need ordering between plain memory accesses and one 8-byte word in shared memory:
+
+* a reader finishes reading an object's bytes, THEN stores its release counter (store-release);
+  the writer loads that counter, THEN overwrites the bytes (load-acquire);
+* (queue) the writer fills a slot, THEN stores the flag that publishes it, and a reader loads the
+  flag, THEN reads the slot.
+
+x86-64 is TSO: a store is never reordered with an earlier load or store, and a load never with a
+later load or store, so an aligned 8-byte `mov` already has release (store) and acquire (load)
+semantics. The C compiler cannot move the interpreter's accesses across one another either,
+because each Python statement runs as separate opaque calls. So on x86-64 a plain aligned 8-byte
+store/load through a memoryview is enough.
+
+ARM (and every other weakly ordered CPU) may reorder those accesses, so there the word is accessed
+through libatomic's `__atomic_store_8` / `__atomic_load_8` with `__ATOMIC_RELEASE` /
+`__ATOMIC_ACQUIRE` (stlr / ldar on aarch64). If libatomic cannot be loaded the import fails with
+a message saying to install it (it ships with gcc, package libatomic1 on Debian/Ubuntu).
+
+`SHMSTORE_ORDERING=libatomic` forces the libatomic path on x86 too (the tests use it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import platform
+
+__all__ = ["OrderedWords", "ORDERING"]
+
+_ATOMIC_ACQUIRE = 2  # __ATOMIC_ACQUIRE
+_ATOMIC_RELEASE = 3  # __ATOMIC_RELEASE
+_TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
+
+
+def _choose_ordering() -> str:
+    forced = os.environ.get("SHMSTORE_ORDERING", "")
+    if forced in ("plain", "libatomic"):
+        return forced
+    return "plain" if platform.machine().lower() in _TSO_MACHINES else "libatomic"
+
+
+ORDERING = _choose_ordering()
+_libatomic: ctypes.CDLL | None = None
+if ORDERING == "libatomic":
+    _path = ctypes.util.find_library("atomic")
+    if _path is None:
+        raise ImportError(
+            f"shmstore needs libatomic on {platform.machine()} for cross-process memory ordering; "
+            "install it (Debian/Ubuntu: apt install libatomic1)"
+        )
+    _libatomic = ctypes.CDLL(_path)
+    _libatomic.__atomic_load_8.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    _libatomic.__atomic_load_8.restype = ctypes.c_uint64
+    _libatomic.__atomic_store_8.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    _libatomic.__atomic_store_8.restype = None
+
+
+class OrderedWords:
+    """Aligned 8-byte words of one mapping, read with acquire and written with release order.
+
+    Owned by the Segment that owns the mapping; `release()` must run before the mapping closes.
+    """
+
+    _words: memoryview | None = None
+    _anchor: ctypes.Array[ctypes.c_char] | None = None
+    _base_address = 0
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._words = memoryview(mapping).cast("Q")
+        if _libatomic is not None:
+            self._anchor = (ctypes.c_char * len(mapping)).from_buffer(mapping)
+            self._base_address = ctypes.addressof(self._anchor)
+
+    def load_acquire(self, offset: int) -> int:
+        """Return the u64 at byte `offset` (a multiple of 8); later reads happen after it."""
+        if _libatomic is not None:
+            return int(_libatomic.__atomic_load_8(self._base_address + offset, _ATOMIC_ACQUIRE))
+        assert self._words is not None  # internal: release() was called before the owner closed
+        return int(self._words[offset >> 3])
+
+    def store_release(self, offset: int, value: int) -> None:
+        """Store `value` at byte `offset` (a multiple of 8) after all earlier accesses."""
+        if _libatomic is not None:
+            _libatomic.__atomic_store_8(self._base_address + offset, value, _ATOMIC_RELEASE)
+            return
+        assert self._words is not None  # internal: release() was called before the owner closed
+        self._words[offset >> 3] = value
+
+    def release(self) -> None:
+        """Drop the exports of the mapping so that it can be closed."""
+        if self._words is not None:
+            self._words.release()
+            self._words = None
+        self._anchor = None
+        self._base_address = 0

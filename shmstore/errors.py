@@ -1,0 +1,182 @@
+"""The exception types of shmstore: one hierarchy under `ShmStoreError`.
+
+Every class derives from a stdlib exception with the same meaning as well, so callers can catch
+either. Messages say what failed, with numbers and units, and what to do; the same values are
+attributes of the exception.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShmStoreError",
+    "InvalidName",
+    "SegmentNotFound",
+    "SegmentExists",
+    "SegmentPermissionError",
+    "IncompatibleSegment",
+    "SegmentTooSmall",
+    "BadMagic",
+    "VersionMismatch",
+    "WrongSegmentKind",
+    "ShmSpaceError",
+    "SegmentClosed",
+    "StoreFull",
+    "ObjectTooLarge",
+    "KeyExists",
+    "KeyNotCached",
+    "InvalidKey",
+    "StaleHandle",
+    "InvalidHandle",
+    "CorruptObject",
+    "ReaderIndexError",
+    "ReaderSlotBusy",
+    "Timeout",
+]
+
+
+class ShmStoreError(Exception):
+    """Base class of every error shmstore raises on purpose."""
+
+
+class InvalidName(ShmStoreError, ValueError):
+    """A segment name that POSIX shared memory cannot hold or that could escape /dev/shm."""
+
+
+class SegmentNotFound(ShmStoreError, FileNotFoundError):
+    """No shared-memory object of that name exists."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class SegmentExists(ShmStoreError, FileExistsError):
+    """A create found the name taken (by a live writer, or left behind by a dead one)."""
+
+    def __init__(self, message: str, name: str, writer_pid: int | None, writer_alive: bool) -> None:
+        super().__init__(message)
+        self.name = name
+        self.writer_pid = writer_pid
+        self.writer_alive = writer_alive
+
+
+class IncompatibleSegment(ShmStoreError, ValueError):
+    """The name exists but is not a shmstore segment this version can use."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class SegmentTooSmall(IncompatibleSegment):
+    """The object is smaller than its own header says (or than any header)."""
+
+
+class BadMagic(IncompatibleSegment):
+    """The object does not start with shmstore's magic bytes."""
+
+
+class VersionMismatch(IncompatibleSegment):
+    """The segment was written by another layout version of shmstore."""
+
+
+class WrongSegmentKind(IncompatibleSegment):
+    """The segment is a shmstore segment of another kind (e.g. a queue, not a store)."""
+
+
+class ShmSpaceError(ShmStoreError, OSError):
+    """Shared memory could not be reserved: /dev/shm is too small or full."""
+
+    def __init__(self, message: str, requested_bytes: int, free_bytes: int | None) -> None:
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.free_bytes = free_bytes
+
+
+class SegmentClosed(ShmStoreError, ValueError):
+    """An operation on an object whose close() was already called."""
+
+
+class StoreFull(ShmStoreError, MemoryError):
+    """No contiguous space is left and nothing old enough may be reclaimed."""
+
+    def __init__(
+        self,
+        message: str,
+        requested_bytes: int,
+        capacity_bytes: int,
+        lagging_readers: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.capacity_bytes = capacity_bytes
+        self.lagging_readers = lagging_readers
+
+
+class ObjectTooLarge(ShmStoreError, ValueError):
+    """An object's serialized size exceeds the store's max_object_size."""
+
+    def __init__(self, message: str, object_bytes: int, max_object_bytes: int) -> None:
+        super().__init__(message)
+        self.object_bytes = object_bytes
+        self.max_object_bytes = max_object_bytes
+
+
+class KeyExists(ShmStoreError, ValueError):
+    """put() of a key that is already cached; use get_cached() to hand it out again."""
+
+    def __init__(self, message: str, key: str | bytes) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class KeyNotCached(ShmStoreError, KeyError):
+    """get_cached() of a key that is not (or no longer) in the store."""
+
+    def __init__(self, message: str, key: str | bytes) -> None:
+        super().__init__(message)
+        self.key = key
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class InvalidKey(ShmStoreError, TypeError):
+    """A key that is neither str nor bytes, or is empty."""
+
+
+class StaleHandle(ShmStoreError, LookupError):
+    """A handle whose object was reclaimed, cleared, or belongs to another store."""
+
+
+class CorruptObject(ShmStoreError, ValueError):
+    """Bytes read from shared memory (or a message) fail validation."""
+
+
+class ReaderIndexError(ShmStoreError, IndexError):
+    """A reader index outside 0..n_readers-1."""
+
+
+class ReaderSlotBusy(ShmStoreError, RuntimeError):
+    """A reader slot is held by another live process."""
+
+    def __init__(self, message: str, reader: int, pid: int) -> None:
+        super().__init__(message)
+        self.reader = reader
+        self.pid = pid
+
+
+class Timeout(ShmStoreError, TimeoutError):
+    """A blocking call ran out of time."""
+
+
+class SegmentPermissionError(ShmStoreError, PermissionError):
+    """The segment exists but this process may not open it (another user, or mode too strict)."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class InvalidHandle(ShmStoreError, ValueError):
+    """A value that is not a well-formed Handle (wrong types, out-of-range fields, bad bytes)."""

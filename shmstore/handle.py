@@ -1,0 +1,68 @@
+"""Handle: what travels from the writer to the readers instead of the object.
+
+Wire form (`Handle.pack()`, 40 bytes, little-endian)::
+
+    offset  size  field
+    0       8     address     u64, segment offset of the chunk header
+    8       8     seq         u64, the chunk's sequence number
+    16      16    key_digest  blake2b-128 of the key
+    32      8     epoch       u64, the store's random epoch
+
+Inside shmstore messages (serde, queue, channel) a Handle travels natively as a msgpack
+extension; `pack`/`unpack` are for carrying it over other transports.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .errors import InvalidHandle
+
+__all__ = ["Handle", "HANDLE_WIRE", "KEY_DIGEST_BYTES"]
+
+KEY_DIGEST_BYTES = 16  # blake2b-128: collisions need ~2**64 keys
+HANDLE_WIRE = struct.Struct("<QQ16sQ")
+_U64_LIMIT = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """Names one object in one store: plain data, no live views or locks.
+
+    Valid until every reader has released the object and the writer reclaims it, or until the
+    writer clears the store; after that any read with it raises StaleHandle.
+    """
+
+    address: int
+    seq: int
+    key_digest: bytes
+    epoch: int
+
+    def __post_init__(self) -> None:
+        for field in ("address", "seq", "epoch"):
+            value = getattr(self, field)
+            if type(value) is not int or not 0 <= value < _U64_LIMIT:
+                raise InvalidHandle(f"Handle.{field} must be an int in [0, 2**64), got {value!r}")
+        if type(self.key_digest) is not bytes or len(self.key_digest) != KEY_DIGEST_BYTES:
+            raise InvalidHandle(
+                f"Handle.key_digest must be {KEY_DIGEST_BYTES} bytes, got {self.key_digest!r}"
+            )
+
+    def pack(self) -> bytes:
+        """Return the 40-byte wire form."""
+        return HANDLE_WIRE.pack(self.address, self.seq, self.key_digest, self.epoch)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> Handle:
+        """Parse the wire form; raise InvalidHandle if it is not exactly one handle."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidHandle(f"a packed Handle is bytes, got {type(data).__name__}")
+        if len(data) != HANDLE_WIRE.size:
+            raise InvalidHandle(f"a packed Handle is {HANDLE_WIRE.size} bytes, got {len(data)}")
+        address, seq, key_digest, epoch = HANDLE_WIRE.unpack(data)
+        return cls(address, seq, key_digest, epoch)
+
+    def __repr__(self) -> str:
+        return (f"Handle(address={self.address}, seq={self.seq}, "
+                f"key_digest={self.key_digest.hex()}, epoch={self.epoch:#x})")

@@ -1,0 +1,376 @@
+"""Serializer: msgpack for the structure, arrays and tensors out of band as raw aligned buffers.
+
+An encoded object (its "body") is laid out as::
+
+    offset            size        field
+    0                 4           magic          b"SSB1"
+    4                 4           n_buffers      u32
+    8                 8           struct_bytes   u64, length of the msgpack structure
+    16                16*n        buffer table   n x (offset u64, nbytes u64), offsets from body start
+    16+16n            struct      msgpack structure
+    (aligned to 64)   ...         buffer 0, buffer 1, ...  each starting on a cache line
+
+The structure is plain msgpack (nil, bool, int, float, str, bin, array, map) plus extensions:
+
+    EXT_NDARRAY  [dtype str, shape, buffer index]    numpy array, bytes in a buffer
+    EXT_TENSOR   [dtype name, shape, buffer index]   torch CPU tensor, bytes in a buffer
+    EXT_TUPLE    msgpack array of items              a tuple (msgpack only knows lists)
+    EXT_SCALAR   [dtype str, raw bytes]              a numpy scalar
+    EXT_HANDLE   Handle wire form (40 bytes)         a shmstore Handle
+
+`encode` walks the object once (checking every type, with its path for errors) and sizes the body;
+`Encoded.write_into` then copies each array once, straight from its memory into the destination.
+`decode` trusts nothing: every count, length, offset, dtype and shape is checked against the body
+before use and any inconsistency raises CorruptObject. No pickle anywhere.
+
+Subclasses come back as their base type (an OrderedDict as a dict, a namedtuple as a tuple).
+Zero-copy numpy arrays are read-only; zero-copy torch tensors cannot be (torch has no read-only
+tensors): do not write to them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import warnings
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import CorruptObject, InvalidHandle
+from .handle import HANDLE_WIRE, Handle
+
+__all__ = ["Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER", "BUFFER_ENTRY"]
+
+BODY_HEADER = struct.Struct("<4sIQ")
+BUFFER_ENTRY = struct.Struct("<QQ")
+BODY_MAGIC = b"SSB1"
+BUFFER_ALIGN_BYTES = 64  # one cache line; also what SIMD loads of every dtype want
+MAX_DEPTH = 100  # nesting levels; deeper structures (or cycles) are refused
+MAX_NDIM = 64  # numpy's limit
+EXT_NDARRAY = 1
+EXT_TENSOR = 2
+EXT_TUPLE = 3
+EXT_SCALAR = 4
+EXT_HANDLE = 5
+_INT_MIN = -(1 << 63)
+_INT_LIMIT = 1 << 64
+
+_NUMERIC_KINDS = frozenset("biufc")
+# Every numeric and bool numpy dtype in both byte orders, as dtype.str: the only dtypes decode
+# will build (an arbitrary dtype string could name object or structured dtypes).
+_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {}
+for _code in ("?", "b", "B", "h", "H", "i", "I", "l", "L", "q", "Q", "e", "f", "d", "g",
+              "F", "D", "G"):
+    for _dt in (np.dtype(_code), np.dtype(_code).newbyteorder()):
+        _NUMPY_DTYPES[_dt.str] = _dt
+
+_TORCH_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+_torch_dtypes: dict[str, tuple[Any, int]] | None = None  # name -> (dtype, itemsize), lazily
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            "this object holds torch tensors but torch is not installed here: "
+            "pip install 'shmstore[torch]'"
+        ) from exc
+    return torch
+
+
+def _torch_dtype_table() -> dict[str, tuple[Any, int]]:
+    global _torch_dtypes
+    if _torch_dtypes is None:
+        torch = _torch()
+        _torch_dtypes = {
+            n: (getattr(torch, n), getattr(torch, n).itemsize)
+            for n in _TORCH_DTYPE_NAMES if hasattr(torch, n)
+        }
+    return _torch_dtypes
+
+
+def _is_tensor(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _format_path(root: str, path: tuple[Any, ...]) -> str:
+    return root + "".join(f"[{p!r}]" for p in path)
+
+
+class _Encoder:
+    """One walk over an object: msgpack-ready structure plus the list of out-of-band buffers."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.sources: list[Any] = []  # numpy arrays or torch tensors, in buffer-index order
+        self.sizes: list[int] = []
+
+    def fail(self, path: tuple[Any, ...], obj: object, why: str) -> TypeError:
+        return TypeError(f"cannot serialize {type(obj).__module__}.{type(obj).__qualname__} at "
+                         f"{_format_path(self.root, path)}: {why}")
+
+    def walk(self, obj: Any, path: tuple[Any, ...], depth: int) -> Any:
+        kind = type(obj)
+        if obj is None or kind is bool or kind is float or kind is str or kind is bytes:
+            return obj
+        if kind is int:
+            if not _INT_MIN <= obj < _INT_LIMIT:
+                raise OverflowError(f"int {obj} at {_format_path(self.root, path)} does not fit "
+                                    "in 64 bits; send it as a str or a numpy array")
+            return obj
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"object nested deeper than {MAX_DEPTH} levels (or cyclic) at "
+                             f"{_format_path(self.root, path)}")
+        if kind is list:
+            return [self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
+        if kind is dict:
+            out = {}
+            for k, v in obj.items():
+                if not (k is None or type(k) in (str, bytes, int, float, bool)):
+                    raise self.fail(path + (k,), k, "dict keys must be str, bytes, int, float, "
+                                    "bool or None")
+                out[self.walk(k, path, depth + 1)] = self.walk(v, path + (k,), depth + 1)
+            return out
+        if kind is tuple:
+            items = [self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
+            return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items))
+        if kind is np.ndarray:
+            return self.array(obj, path)
+        if kind is Handle:
+            return msgpack.ExtType(EXT_HANDLE, obj.pack())
+        if _is_tensor(obj):
+            return self.tensor(obj, path)
+        if isinstance(obj, np.generic):
+            if obj.dtype.kind not in _NUMERIC_KINDS:
+                raise self.fail(path, obj, f"numpy scalars of dtype {obj.dtype} are not supported")
+            return msgpack.ExtType(EXT_SCALAR, msgpack.packb([obj.dtype.str, obj.tobytes()]))
+        # Subclasses of the plain types travel as their base type.
+        for base in (bool, int, float, str, bytes, list, dict, tuple, np.ndarray):
+            if isinstance(obj, base):
+                return self.walk(base(obj) if base is not np.ndarray else np.asarray(obj), path, depth)
+        raise self.fail(path, obj, "supported are None, bool, int, float, str, bytes, list, tuple, "
+                        "dict, numpy arrays and scalars, torch CPU tensors and Handle")
+
+    def array(self, arr: np.ndarray, path: tuple[Any, ...]) -> msgpack.ExtType:
+        if arr.dtype.kind not in _NUMERIC_KINDS or arr.dtype.str not in _NUMPY_DTYPES:
+            raise self.fail(path, arr, f"arrays of dtype {arr.dtype} are not supported (only bool "
+                            "and numeric dtypes)")
+        index = len(self.sources)
+        self.sources.append(arr)
+        self.sizes.append(arr.nbytes)
+        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([arr.dtype.str, list(arr.shape), index]))
+
+    def tensor(self, t: Any, path: tuple[Any, ...]) -> msgpack.ExtType:
+        name = str(t.dtype).removeprefix("torch.")
+        if t.device.type != "cpu":
+            raise self.fail(path, t, f"the tensor is on {t.device}; move it to the CPU first "
+                            "(tensor.cpu())")
+        if t.layout is not _torch().strided:
+            raise self.fail(path, t, f"{t.layout} tensors are not supported; use .to_dense()")
+        if name not in _torch_dtype_table():  # e.g. quantized or sub-byte dtypes
+            raise self.fail(path, t, f"tensors of dtype {t.dtype} are not supported")
+        t = t.detach().resolve_conj().resolve_neg()
+        index = len(self.sources)
+        self.sources.append(t)
+        self.sizes.append(t.numel() * t.element_size())
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, list(t.shape), index]))
+
+
+class Encoded:
+    """An object ready to be written: its size is known, its arrays not yet copied.
+
+    Holds references to the source arrays until written; write it before changing them.
+    """
+
+    __slots__ = ("nbytes", "_prefix", "_buffers")
+
+    def __init__(self, prefix: bytes, buffers: list[tuple[int, Any]], nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._prefix = prefix
+        self._buffers = buffers  # (offset in body, numpy array or torch tensor)
+
+    def write_into(self, dst: memoryview) -> None:
+        """Write the body into `dst` (at least `nbytes`; 64-byte aligned for aligned arrays)."""
+        if len(dst) < self.nbytes:
+            raise ValueError(f"destination holds {len(dst)} bytes, the object needs {self.nbytes}")
+        dst[:len(self._prefix)] = self._prefix
+        for offset, src in self._buffers:
+            if isinstance(src, np.ndarray):
+                view = np.frombuffer(dst, dtype=src.dtype, count=src.size, offset=offset)
+                np.copyto(view.reshape(src.shape), src, casting="no")
+            else:  # a torch tensor: copy_ takes any strides, so non-contiguous input is copied once
+                torch = _torch()
+                view = torch.frombuffer(dst, dtype=src.dtype, count=src.numel(), offset=offset)
+                view.view(src.shape).copy_(src)
+
+
+def encode(obj: Any, *, root: str = "obj") -> Encoded:
+    """Check and size `obj`; return an Encoded to write with `write_into`.
+
+    Raises:
+        TypeError: an unsupported type, named with its path (e.g. obj['pixel_values'][2]).
+        OverflowError: an int outside 64 bits. ValueError: nesting deeper than MAX_DEPTH.
+    """
+    enc = _Encoder(root)
+    structure = msgpack.packb(enc.walk(obj, (), 0))
+    n_buffers = len(enc.sources)
+    table_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers
+    nbytes = table_end + len(structure)
+    prefix = bytearray(table_end)
+    BODY_HEADER.pack_into(prefix, 0, BODY_MAGIC, n_buffers, len(structure))
+    buffers: list[tuple[int, Any]] = []
+    for i, (src, size) in enumerate(zip(enc.sources, enc.sizes)):
+        offset = (nbytes + BUFFER_ALIGN_BYTES - 1) & ~(BUFFER_ALIGN_BYTES - 1)
+        BUFFER_ENTRY.pack_into(prefix, BODY_HEADER.size + BUFFER_ENTRY.size * i, offset, size)
+        if size:
+            buffers.append((offset, src))
+        nbytes = offset + size
+    return Encoded(bytes(prefix) + structure, buffers, nbytes)
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialize `obj` to bytes (two copies; the store writes into shared memory directly)."""
+    enc = encode(obj)
+    out = bytearray(enc.nbytes)
+    enc.write_into(memoryview(out))
+    return bytes(out)
+
+
+def loads(data: bytes | bytearray | memoryview, *, copy: bool = True) -> Any:
+    """Deserialize bytes made by `dumps` (or a body in shared memory); see `decode`."""
+    return decode(memoryview(data), copy=copy)
+
+
+class _Decoder:
+    def __init__(self, body: memoryview, copy: bool) -> None:
+        self.body = body
+        self.copy = copy
+        self.table: list[tuple[int, int]] = []
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_NDARRAY:
+            dtype_str, shape, index = self.meta(data, 3)
+            dtype = _NUMPY_DTYPES.get(dtype_str) if type(dtype_str) is str else None
+            if dtype is None:
+                raise CorruptObject(f"array dtype {dtype_str!r} is not one shmstore writes")
+            offset, count = self.buffer(index, shape, dtype.itemsize)
+            if count == 0:
+                return np.empty(shape, dtype=dtype)
+            arr = np.frombuffer(self.body, dtype=dtype, count=count, offset=offset).reshape(shape)
+            if self.copy:
+                return arr.copy()
+            arr.flags.writeable = False
+            return arr
+        if code == EXT_TENSOR:
+            name, shape, index = self.meta(data, 3)
+            entry = _torch_dtype_table().get(name) if type(name) is str else None
+            if entry is None:
+                raise CorruptObject(f"tensor dtype {name!r} is not one shmstore writes")
+            dtype, itemsize = entry
+            torch = _torch()
+            offset, count = self.buffer(index, shape, itemsize)
+            if count == 0:
+                return torch.empty(shape, dtype=dtype)
+            if self.copy:  # one memcpy into a fresh tensor, whatever the source buffer is
+                out = torch.empty(shape, dtype=dtype)
+                nbytes = count * itemsize
+                memoryview(out.view(-1).view(torch.uint8).numpy())[:] = (
+                    self.body[offset:offset + nbytes])
+                return out
+            if self.body.readonly:  # torch warns on read-only buffers; these views are read-only
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = torch.frombuffer(self.body, dtype=dtype, count=count, offset=offset)
+            else:
+                t = torch.frombuffer(self.body, dtype=dtype, count=count, offset=offset)
+            return t.view(shape)
+        if code == EXT_TUPLE:
+            items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False)
+            if type(items) is not list:
+                raise CorruptObject("a tuple extension does not hold a list")
+            return tuple(items)
+        if code == EXT_SCALAR:
+            dtype_str, raw = self.meta(data, 2)
+            dtype = _NUMPY_DTYPES.get(dtype_str) if type(dtype_str) is str else None
+            if dtype is None or type(raw) is not bytes or len(raw) != dtype.itemsize:
+                raise CorruptObject(f"bad numpy scalar {dtype_str!r} of {len(raw)} bytes")
+            return np.frombuffer(raw, dtype=dtype)[0]
+        if code == EXT_HANDLE:
+            if len(data) != HANDLE_WIRE.size:
+                raise CorruptObject(f"a Handle extension is {HANDLE_WIRE.size} bytes, got {len(data)}")
+            try:
+                return Handle.unpack(data)
+            except InvalidHandle as exc:
+                raise CorruptObject(str(exc)) from None
+        raise CorruptObject(f"unknown msgpack extension code {code}")
+
+    @staticmethod
+    def meta(data: bytes, n: int) -> list[Any]:
+        items = msgpack.unpackb(data, raw=False)
+        if type(items) is not list or len(items) != n:
+            raise CorruptObject(f"extension metadata is not a list of {n} items")
+        return items
+
+    def buffer(self, index: Any, shape: Any, itemsize: int) -> tuple[int, int]:
+        if type(index) is not int or not 0 <= index < len(self.table):
+            raise CorruptObject(f"buffer index {index!r} is outside the table of {len(self.table)}")
+        if (type(shape) is not list or len(shape) > MAX_NDIM
+                or any(type(d) is not int or d < 0 for d in shape)):
+            raise CorruptObject(f"bad array shape {shape!r}")
+        count = math.prod(shape)
+        offset, nbytes = self.table[index]
+        if count * itemsize != nbytes:
+            raise CorruptObject(f"shape {shape} of {itemsize}-byte items needs {count * itemsize} "
+                                f"bytes, the buffer holds {nbytes}")
+        return offset, count
+
+
+def decode(body: memoryview, *, copy: bool = True) -> Any:
+    """Rebuild an object from its body.
+
+    Args:
+        body: the encoded bytes, exactly (a memoryview into shared memory for zero copy).
+        copy: True returns owned arrays/tensors; False returns views into `body`, valid only while
+            the bytes stay unchanged.
+
+    Raises:
+        CorruptObject: any length, offset, dtype or shape that does not fit the body.
+    """
+    size = len(body)
+    if size < BODY_HEADER.size:
+        raise CorruptObject(f"object body is {size} bytes, shorter than its {BODY_HEADER.size}-byte "
+                            "header")
+    magic, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
+    if magic != BODY_MAGIC:
+        raise CorruptObject(f"object body starts with {bytes(magic)!r}, not {BODY_MAGIC!r}")
+    table_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers
+    struct_end = table_end + struct_bytes
+    if struct_end > size:
+        raise CorruptObject(f"object header claims {n_buffers} buffers and a {struct_bytes}-byte "
+                            f"structure, more than the {size}-byte body")
+    dec = _Decoder(body, copy)
+    low = struct_end
+    for i in range(n_buffers):
+        offset, nbytes = BUFFER_ENTRY.unpack_from(body, BODY_HEADER.size + BUFFER_ENTRY.size * i)
+        if offset % BUFFER_ALIGN_BYTES or offset < low or nbytes > size - offset:
+            raise CorruptObject(f"buffer {i} at offset {offset} of {nbytes} bytes does not fit "
+                                f"the {size}-byte body after the structure and buffer {i - 1}")
+        dec.table.append((offset, nbytes))
+        low = offset + nbytes
+    try:
+        return msgpack.unpackb(body[table_end:struct_end], ext_hook=dec.ext_hook, raw=False,
+                               strict_map_key=False)
+    except CorruptObject:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as exc:
+        # msgpack's format errors are ValueError subclasses; unhashable keys are TypeError
+        raise CorruptObject(f"object structure is not valid: {type(exc).__name__}: {exc}") from None

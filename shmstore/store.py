@@ -1,0 +1,553 @@
+"""ObjectStore: objects keyed by content hash in one shared ring, read in place by N readers.
+
+The writer (from `ObjectStore.create`) puts objects and hands out Handles; each reader (from
+`ObjectStore.attach(name, reader=i)`) reads them with `get` (owned copy) or `view` (zero copy).
+
+Delivery without locks: the writer counts, in its own memory, how often it handed each object out
+(`put` once, then once per `get_cached`, minus `release`). Each reader counts, in a word of the
+object's header that only it writes, how often it finished reading the object. The writer may
+reclaim an object only when every reader's count has reached the hand-out count.
+
+Store meta area (segment offset 64, after the segment header; little-endian)::
+
+    offset  size  field
+    0       8     max_object_size   u64, largest serialized object accepted
+    8       4     policy            u32, POLICY_IDS
+    12      52    reserved
+    64      64*n  reader table, one cache line per reader:
+                    0   8  pid          i64, 0 when the slot is free (written by that reader)
+                    8   8  total_reads  u64, reads finished, ever (written by that reader)
+                    16  8  attached_ns  u64, when the reader attached
+                    24  40 reserved
+
+Object layout (the payload of one ring chunk)::
+
+    offset  size  field
+    0       16    key_digest      blake2b-128 of the key
+    16      8     body_bytes      u64, serialized size (serde body)
+    24      40    reserved
+    64      8*n   read counters   u64 per reader, each written only by its reader (store-release)
+    64+8n   pad   to a cache line
+    header  ...   body            serde layout; arrays inside stay cache-line aligned
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from .errors import (
+    CorruptObject,
+    IncompatibleSegment,
+    InvalidHandle,
+    InvalidKey,
+    KeyExists,
+    KeyNotCached,
+    ObjectTooLarge,
+    ReaderIndexError,
+    ReaderSlotBusy,
+    SegmentClosed,
+    StaleHandle,
+    StoreFull,
+)
+from .handle import KEY_DIGEST_BYTES, Handle
+from .ring import RingWriter, ShmRingBuffer
+from .segment import ALIGN_BYTES, SEGMENT_HEADER, align_up, pid_alive
+from .serde import decode, encode
+
+__all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "MAX_READERS", "key_digest"]
+
+STORE_META = struct.Struct("<QI52x")
+READER_SLOT = struct.Struct("<qQQ40x")
+OBJECT_HEADER = struct.Struct("<16sQ40x")
+assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == ALIGN_BYTES
+READER_TOTAL_READS = 8  # byte offset of total_reads inside a reader slot
+MAX_READERS = 1024  # a reader table of 64 KiB; tensor parallelism stays far below
+POLICY_IDS = {"fifo": 1}
+_RETRY_SLEEP_S = (0.0002, 0.005)  # first and largest pause while a full put waits for readers
+
+
+def key_digest(key: str | bytes) -> bytes:
+    """Return the 16-byte digest a Handle carries for `key` (str and bytes keys never collide)."""
+    if type(key) is str:
+        data = b"s" + key.encode("utf-8", "surrogatepass")
+    elif type(key) is bytes:
+        data = b"b" + key
+    else:
+        raise InvalidKey(f"keys are str or bytes (e.g. an mm hash), got {type(key).__name__}; "
+                         "hash other values with shmstore's mm_hash or hashlib first")
+    if len(data) == 1:
+        raise InvalidKey("keys must not be empty")
+    return hashlib.blake2b(data, digest_size=KEY_DIGEST_BYTES).digest()
+
+
+def _object_header_bytes(n_readers: int) -> int:
+    return OBJECT_HEADER.size + align_up(8 * n_readers)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of one store, taken by the writer."""
+
+    name: str
+    capacity_bytes: int
+    bytes_in_use: int
+    objects: int
+    puts: int
+    hits: int
+    evictions: int
+    releases: int
+    full_events: int
+    max_object_size: int
+    n_readers: int
+    reader_lag: tuple[int, ...]  # hand-outs each reader has not finished reading yet
+    reader_pids: tuple[int, ...]  # 0 where no reader is attached
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: str | bytes
+    handle: Handle
+    handouts: int
+
+
+class ObjectStore:
+    """What the writer and the readers of one store share; use `create` or `attach`."""
+
+    _ring: ShmRingBuffer | None = None
+    name = ""
+    n_readers = 0
+    capacity = 0
+    max_object_size = 0
+    epoch = 0
+
+    def __init__(self, ring: ShmRingBuffer) -> None:
+        self._ring = ring
+        seg = ring.segment
+        self.name = seg.name
+        self.n_readers = seg.n_readers
+        self.capacity = seg.capacity_bytes
+        self.epoch = seg.epoch
+        self._buf = seg.buf
+        self._words = seg.words
+        self._obj_header_bytes = _object_header_bytes(self.n_readers)
+        self._table_offset = SEGMENT_HEADER.size + STORE_META.size
+
+    @staticmethod
+    def create(
+        name: str | None,
+        capacity: int,
+        n_readers: int,
+        max_object_size: int | None = None,
+        *,
+        policy: str = "fifo",
+        mode: int = 0o600,
+        prefault: bool = True,
+    ) -> StoreWriter:
+        """Create a store and return its writer (this process owns and later unlinks it).
+
+        Args:
+            name: the segment name in /dev/shm (None: a random `shmstore-...` name).
+            capacity: bytes of the ring that holds the objects.
+            n_readers: how many readers must read each object before it can be reclaimed.
+            max_object_size: largest serialized object accepted (default: what fits the ring).
+            policy: eviction policy; "fifo" reclaims the oldest object every reader is done with.
+            mode: permission bits of the segment (0o600: this user only).
+            prefault: map with MAP_POPULATE so puts take no page faults.
+        """
+        if isinstance(n_readers, bool) or not isinstance(n_readers, int) or not (
+                0 <= n_readers <= MAX_READERS):
+            raise ValueError(f"n_readers must be an int in [0, {MAX_READERS}], got {n_readers!r}")
+        if policy not in POLICY_IDS:
+            raise ValueError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICY_IDS)}")
+        header_bytes = _object_header_bytes(n_readers)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 4 * ALIGN_BYTES:
+            raise ValueError(f"capacity must be an int of at least {4 * ALIGN_BYTES} bytes, "
+                             f"got {capacity!r}")
+        largest = align_up(capacity) - ALIGN_BYTES - header_bytes  # one object filling the ring
+        if max_object_size is None:
+            max_object_size = largest
+        elif (isinstance(max_object_size, bool) or not isinstance(max_object_size, int)
+              or not 0 < max_object_size <= largest):
+            raise ValueError(f"max_object_size must be an int in [1, {largest}] for a capacity of "
+                             f"{capacity} bytes, got {max_object_size!r}")
+        ring = ShmRingBuffer.create(
+            name, capacity, meta_bytes=STORE_META.size + READER_SLOT.size * n_readers,
+            n_readers=n_readers, mode=mode, prefault=prefault,
+        )
+        try:
+            STORE_META.pack_into(ring.meta, 0, max_object_size, POLICY_IDS[policy])
+            return StoreWriter(ring, policy)
+        except BaseException:
+            ring.close()
+            raise
+
+    @staticmethod
+    def attach(name: str, reader: int, *, prefault: bool = True) -> StoreReader:
+        """Attach to the store `name` as reader number `reader` (0..n_readers-1)."""
+        ring = ShmRingBuffer.attach(name, prefault=prefault)
+        try:
+            return StoreReader(ring, reader)
+        except BaseException:
+            ring.close()
+            raise
+
+    # -- shared helpers ----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._ring is None or self._ring.closed
+
+    @property
+    def ring(self) -> ShmRingBuffer:
+        if self._ring is None or self._ring.closed:
+            raise SegmentClosed(f"store {self.name!r} is closed; attach it again to use it")
+        return self._ring
+
+    def _read_meta(self) -> tuple[int, int]:
+        meta = self.ring.meta
+        if len(meta) < STORE_META.size + READER_SLOT.size * self.n_readers:
+            raise IncompatibleSegment(
+                f"store {self.name!r} has a {len(meta)}-byte meta area, too small for "
+                f"{self.n_readers} readers: the segment is corrupt; recreate it", self.name)
+        max_object_size, policy_id = STORE_META.unpack_from(meta, 0)
+        if policy_id not in POLICY_IDS.values() or not 0 < max_object_size <= self.capacity:
+            raise IncompatibleSegment(
+                f"store {self.name!r} has policy id {policy_id} and max_object_size "
+                f"{max_object_size}: the segment is corrupt or from another version", self.name)
+        return max_object_size, policy_id
+
+    def _slot_offset(self, reader: int) -> int:
+        return self._table_offset + READER_SLOT.size * reader
+
+    def _counter_offset(self, address: int, reader: int) -> int:
+        return address + ALIGN_BYTES + OBJECT_HEADER.size + 8 * reader
+
+    def _check_handle(self, handle: Handle) -> None:
+        if type(handle) is not Handle:
+            raise InvalidHandle(f"expected a shmstore Handle, got {type(handle).__name__}")
+        if handle.epoch != self.epoch:
+            raise StaleHandle(
+                f"handle {handle} belongs to another store or an earlier incarnation of "
+                f"{self.name!r} (epoch {handle.epoch:#x}, this store {self.epoch:#x}); "
+                "handles are valid only in the store that issued them")
+
+    def close(self) -> None:
+        """Detach this process; idempotent (the writer also unlinks the segment)."""
+        if self._ring is not None:
+            self._ring.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"capacity={self.capacity}"
+        return f"<{type(self).__name__} {self.name!r} n_readers={self.n_readers} {state}>"
+
+
+class StoreWriter(ObjectStore):
+    """The single writer: put, get_cached, release, clear, stats. Keeps the key index."""
+
+    def __init__(self, ring: RingWriter, policy: str) -> None:
+        super().__init__(ring)
+        self._writer_ring = ring
+        self.policy = policy
+        self.max_object_size = self._read_meta()[0]
+        self._index: dict[str | bytes, _Entry] = {}
+        self._by_seq: dict[int, _Entry] = {}
+        self._puts = self._hits = self._evictions = self._releases = self._full_events = 0
+        self._handed_out = 0
+        self._written_off = [0] * self.n_readers  # hand-outs dropped unread by clear()
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def put(self, key: str | bytes, obj: Any, timeout: float | None = None) -> Handle:
+        """Store `obj` under `key` and hand it out once; return its Handle.
+
+        One copy: each array/tensor is copied from its own memory straight into the ring.
+
+        Args:
+            timeout: seconds to wait for readers when the store is full (None or 0: do not wait).
+
+        Raises:
+            KeyExists: `key` is cached (use get_cached).
+            ObjectTooLarge: the serialized object exceeds max_object_size.
+            StoreFull: the oldest object is still owed to a reader (named in the message).
+        """
+        digest = key_digest(key)
+        if key in self._index:
+            raise KeyExists(f"key {key!r} is already in store {self.name!r}: hand it out again "
+                            "with get_cached(key), or check is_cached(key) first", key)
+        enc = encode(obj)
+        if enc.nbytes > self.max_object_size:
+            raise ObjectTooLarge(
+                f"object for key {key!r} is {enc.nbytes} bytes serialized, above the "
+                f"max_object_size of store {self.name!r} ({self.max_object_size} bytes): send it "
+                "another way or create the store with a larger max_object_size",
+                enc.nbytes, self.max_object_size)
+        address, seq = self._allocate(self._obj_header_bytes + enc.nbytes, timeout)
+        handle = Handle(address, seq, digest, self.epoch)
+        entry = _Entry(key, handle, 0)  # owed to nobody until fully written
+        self._by_seq[seq] = entry
+        start = address + ALIGN_BYTES
+        buf = self._buf
+        OBJECT_HEADER.pack_into(buf, start, digest, enc.nbytes)
+        counters = start + OBJECT_HEADER.size
+        buf[counters:counters + 8 * self.n_readers] = bytes(8 * self.n_readers)
+        body = start + self._obj_header_bytes
+        enc.write_into(buf[body:body + enc.nbytes])
+        entry.handouts = 1
+        self._index[key] = entry
+        self._puts += 1
+        self._handed_out += 1
+        return handle
+
+    def is_cached(self, key: str | bytes) -> bool:
+        """Say whether `key` is in the store; no side effect."""
+        key_digest(key)
+        return key in self._index
+
+    def get_cached(self, key: str | bytes) -> Handle:
+        """Hand the object of `key` out once more (one more read owed by every reader).
+
+        Raises:
+            KeyNotCached: the key was never put or has been evicted (put it again).
+        """
+        entry = self._index.get(key)
+        if entry is None:
+            key_digest(key)
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
+                               "or cleared): put it again", key)
+        entry.handouts += 1
+        self._hits += 1
+        self._handed_out += 1
+        return entry.handle
+
+    def release(self, handle: Handle) -> None:
+        """Take back one hand-out of `handle` that no reader will read (an aborted request).
+
+        Raises:
+            StaleHandle: the object is gone, or has no hand-out left to take back.
+        """
+        self._check_handle(handle)
+        entry = self._by_seq.get(handle.seq)
+        if entry is None or entry.handle != handle:
+            raise StaleHandle(f"handle {handle} names no live object in store {self.name!r}; "
+                              "it was reclaimed or cleared already")
+        if entry.handouts == 0:
+            raise StaleHandle(f"handle {handle} has no hand-out left to release in store "
+                              f"{self.name!r}; release each hand-out at most once")
+        entry.handouts -= 1
+        self._releases += 1
+        self._handed_out -= 1
+
+    def clear(self) -> None:
+        """Drop every object; every handle issued before now becomes stale."""
+        words = self._words
+        for entry in self._by_seq.values():
+            for r in range(self.n_readers):
+                done = words.load_acquire(self._counter_offset(entry.handle.address, r))
+                self._written_off[r] += max(0, entry.handouts - done)
+        self._evictions += len(self._wring().clear())
+        self._index.clear()
+        self._by_seq.clear()
+
+    def stats(self) -> StoreStats:
+        """Return counters and per-reader lag; O(n_readers)."""
+        ring = self._wring()
+        words = self._words
+        lag = []
+        pids = []
+        for r in range(self.n_readers):
+            slot = self._slot_offset(r)
+            reads = words.load_acquire(slot + READER_TOTAL_READS)
+            lag.append(max(0, self._handed_out - self._written_off[r] - reads))
+            pids.append(int.from_bytes(self._buf[slot:slot + 8], "little", signed=True))
+        return StoreStats(
+            name=self.name, capacity_bytes=self.capacity,
+            bytes_in_use=ring.used_bytes,
+            objects=len(self._by_seq), puts=self._puts, hits=self._hits,
+            evictions=self._evictions, releases=self._releases, full_events=self._full_events,
+            max_object_size=self.max_object_size, n_readers=self.n_readers,
+            reader_lag=tuple(lag), reader_pids=tuple(pids),
+        )
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _wring(self) -> RingWriter:
+        self.ring  # raises SegmentClosed once closed
+        return self._writer_ring
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def _owed_by(self, entry: _Entry) -> list[int]:
+        """Readers that have not finished reading `entry` as often as it was handed out."""
+        words = self._words
+        address = entry.handle.address
+        return [r for r in range(self.n_readers)
+                if words.load_acquire(self._counter_offset(address, r)) < entry.handouts]
+
+    def _is_free(self, seq: int, payload: memoryview) -> bool:
+        entry = self._by_seq[seq]
+        return entry.handouts == 0 or not self._owed_by(entry)
+
+    def _reclaim_one(self) -> bool:
+        freed = self._wring().free(self._is_free, nbytes=1)
+        for seq in freed:
+            entry = self._by_seq.pop(seq)
+            if self._index.get(entry.key) is entry:
+                del self._index[entry.key]
+            self._evictions += 1
+        return bool(freed)
+
+    def _allocate(self, payload_bytes: int, timeout: float | None) -> tuple[int, int]:
+        ring = self._wring()
+        deadline = None if not timeout else time.monotonic() + timeout
+        pause = _RETRY_SLEEP_S[0]
+        counted = False
+        while True:
+            while not ring.fits(payload_bytes):
+                if not self._reclaim_one():
+                    break
+            else:
+                return ring.allocate(payload_bytes)
+            if not counted:
+                self._full_events += 1
+                counted = True
+            if deadline is None or time.monotonic() >= deadline:
+                raise self._full_error(payload_bytes, timeout)
+            time.sleep(pause)
+            pause = min(pause * 2, _RETRY_SLEEP_S[1])
+
+    def _full_error(self, payload_bytes: int, timeout: float | None) -> StoreFull:
+        ring = self._wring()
+        oldest = ring.oldest()
+        entry = self._by_seq[oldest[1]] if oldest is not None else None
+        if entry is None:  # empty ring: only an object larger than the ring gets here
+            return StoreFull(f"store {self.name!r} cannot hold {payload_bytes} bytes even when "
+                             f"empty (capacity {self.capacity}); create a larger store",
+                             payload_bytes, self.capacity)
+        lagging = tuple(self._owed_by(entry))
+        waited = f" after waiting {timeout} s" if timeout else ""
+        return StoreFull(
+            f"store {self.name!r} is full{waited}: {payload_bytes} bytes needed, "
+            f"{ring.used_bytes} of {self.capacity} in use, and the oldest object "
+            f"(key {entry.key!r}, handed out {entry.handouts} times) is still owed to "
+            f"reader(s) {list(lagging)}. Have them read it (or release() its handle), pass a "
+            "timeout to put(), or create a larger store",
+            payload_bytes, self.capacity, lagging)
+
+
+class StoreReader(ObjectStore):
+    """One reader of a store: get (owned copy) and view (zero copy). Writes only its own counters."""
+
+    reader = -1
+
+    def __init__(self, ring: ShmRingBuffer, reader: int) -> None:
+        super().__init__(ring)
+        if isinstance(reader, bool) or not isinstance(reader, int) or not (
+                0 <= reader < self.n_readers):
+            raise ReaderIndexError(
+                f"reader index {reader!r} is out of range: store {self.name!r} has "
+                f"{self.n_readers} readers, so use 0..{self.n_readers - 1}")
+        self.max_object_size = self._read_meta()[0]
+        slot = self._slot_offset(reader)
+        pid = int.from_bytes(self._buf[slot:slot + 8], "little", signed=True)
+        if pid not in (0, os.getpid()) and pid_alive(pid):
+            raise ReaderSlotBusy(
+                f"reader slot {reader} of store {self.name!r} is held by live process {pid}: "
+                "each reader index belongs to one process; pick a free index", reader, pid)
+        self.reader = reader
+        self._slot = slot
+        self._reads = self._words.load_acquire(slot + READER_TOTAL_READS)
+        READER_SLOT.pack_into(self._buf, slot, os.getpid(), self._reads, time.time_ns())
+
+    @property
+    def reads(self) -> int:
+        """Reads this reader slot has finished, ever."""
+        return self._reads
+
+    def _locate(self, handle: Handle) -> tuple[int, int, int]:
+        """Validate `handle` against the chunk it names; return (address, body start, body end)."""
+        self._check_handle(handle)
+        header = self.ring.header(handle.address, handle.seq)
+        start = handle.address + ALIGN_BYTES
+        digest, body_bytes = OBJECT_HEADER.unpack_from(self._buf, start)
+        if digest != handle.key_digest:
+            raise StaleHandle(f"handle {handle} does not match the key of the object at its "
+                              f"address in store {self.name!r}; it is stale or forged")
+        body = start + self._obj_header_bytes
+        if body + body_bytes > start + header.payload_bytes:
+            raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} claims a "
+                                f"{body_bytes}-byte body, more than its chunk holds")
+        return handle.address, body, body + body_bytes
+
+    def _finish(self, handle: Handle) -> None:
+        """Check the object was not overwritten while read, then count the read."""
+        if self.ring.current_seq(handle.address) != handle.seq:
+            raise StaleHandle(f"object seq {handle.seq} in store {self.name!r} was overwritten "
+                              "while it was read; what was read is not valid (a reader read a "
+                              "handle more often than it was handed out, or the store was cleared)")
+        counter = self._counter_offset(handle.address, self.reader)
+        words = self._words
+        words.store_release(counter, words.load_acquire(counter) + 1)
+        self._reads += 1
+        words.store_release(self._slot + READER_TOTAL_READS, self._reads)
+
+    def get(self, handle: Handle) -> Any:
+        """Return an owned copy of the object and count one read.
+
+        Raises:
+            StaleHandle: the object was reclaimed, cleared, or the handle is from another store.
+            CorruptObject: the bytes fail validation.
+        """
+        _, body, end = self._locate(handle)
+        obj = decode(self._buf[body:end], copy=True)
+        self._finish(handle)
+        return obj
+
+    @contextmanager
+    def view(self, handle: Handle) -> Iterator[Any]:
+        """Yield the object with arrays/tensors pointing into shared memory; count the read on exit.
+
+        The arrays are valid only inside the block: once it exits the writer may reuse the bytes.
+        Keep what you need with `.copy()` / `.clone()`, or use get().
+        """
+        _, body, end = self._locate(handle)
+        obj = decode(self._buf[body:end], copy=False)
+        try:
+            yield obj
+        except BaseException:
+            del obj
+            if self.ring.current_seq(handle.address) == handle.seq:
+                self._finish(handle)  # the block failed, but this reader is done with the object
+            raise
+        del obj
+        self._finish(handle)
+
+    def close(self) -> None:
+        """Give the reader slot back and detach; idempotent."""
+        if self._ring is not None and not self._ring.closed and self.reader >= 0:
+            slot = self._buf[self._slot:self._slot + 8]
+            if int.from_bytes(slot, "little", signed=True) == os.getpid():
+                slot[:] = bytes(8)
+            slot.release()
+        self._buf = None  # type: ignore[assignment]
+        self._words = None  # type: ignore[assignment]
+        super().close()
