@@ -70,7 +70,9 @@ class OrderedWords:
     _base_address = 0
 
     def __init__(self, mapping: mmap.mmap) -> None:
-        self._words = memoryview(mapping).cast("Q")
+        whole = memoryview(mapping)
+        self._words = whole[:len(whole) - len(whole) % 8].cast("Q")
+        whole.release()
         if _libatomic is not None:
             self._anchor = (ctypes.c_char * len(mapping)).from_buffer(mapping)
             self._base_address = ctypes.addressof(self._anchor)
