@@ -28,6 +28,7 @@ import ctypes.util
 import mmap
 import os
 import platform
+from typing import Any
 
 __all__ = ["OrderedWords", "ORDERING"]
 
@@ -45,6 +46,8 @@ def _choose_ordering() -> str:
 
 ORDERING = _choose_ordering()
 _libatomic: ctypes.CDLL | None = None
+_atomic_load: Any = None  # __atomic_load_8(ptr, order); a module-level name: no class mangling
+_atomic_store: Any = None  # __atomic_store_8(ptr, value, order)
 if ORDERING == "libatomic":
     _path = ctypes.util.find_library("atomic")
     if _path is None:
@@ -53,10 +56,12 @@ if ORDERING == "libatomic":
             "install it (Debian/Ubuntu: apt install libatomic1)"
         )
     _libatomic = ctypes.CDLL(_path)
-    _libatomic.__atomic_load_8.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    _libatomic.__atomic_load_8.restype = ctypes.c_uint64
-    _libatomic.__atomic_store_8.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
-    _libatomic.__atomic_store_8.restype = None
+    _atomic_load = _libatomic["__atomic_load_8"]
+    _atomic_load.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    _atomic_load.restype = ctypes.c_uint64
+    _atomic_store = _libatomic["__atomic_store_8"]
+    _atomic_store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    _atomic_store.restype = None
 
 
 class OrderedWords:
@@ -79,18 +84,16 @@ class OrderedWords:
 
     def load_acquire(self, offset: int) -> int:
         """Return the u64 at byte `offset` (a multiple of 8); later reads happen after it."""
-        if _libatomic is not None:
-            return int(_libatomic.__atomic_load_8(self._base_address + offset, _ATOMIC_ACQUIRE))
-        assert self._words is not None  # internal: release() was called before the owner closed
-        return int(self._words[offset >> 3])
+        if _atomic_load is not None:
+            return int(_atomic_load(self._base_address + offset, _ATOMIC_ACQUIRE))
+        return int(self._words[offset >> 3])  # type: ignore[index]
 
     def store_release(self, offset: int, value: int) -> None:
         """Store `value` at byte `offset` (a multiple of 8) after all earlier accesses."""
-        if _libatomic is not None:
-            _libatomic.__atomic_store_8(self._base_address + offset, value, _ATOMIC_RELEASE)
+        if _atomic_store is not None:
+            _atomic_store(self._base_address + offset, value, _ATOMIC_RELEASE)
             return
-        assert self._words is not None  # internal: release() was called before the owner closed
-        self._words[offset >> 3] = value
+        self._words[offset >> 3] = value  # type: ignore[index]
 
     def release(self) -> None:
         """Drop the exports of the mapping so that it can be closed."""

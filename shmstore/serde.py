@@ -34,7 +34,7 @@ import math
 import struct
 import sys
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -153,10 +153,12 @@ class _Encoder:
             if obj.dtype.kind not in _NUMERIC_KINDS:
                 raise self.fail(path, obj, f"numpy scalars of dtype {obj.dtype} are not supported")
             return msgpack.ExtType(EXT_SCALAR, msgpack.packb([obj.dtype.str, obj.tobytes()]))
-        # Subclasses of the plain types travel as their base type.
-        for base in (bool, int, float, str, bytes, list, dict, tuple, np.ndarray):
+        # Subclasses of the plain types travel as their base type (masked arrays would lose data).
+        if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray):
+            return self.array(np.asarray(obj), path)
+        for base in (int, float, str, bytes, list, dict, tuple):
             if isinstance(obj, base):
-                return self.walk(base(obj) if base is not np.ndarray else np.asarray(obj), path, depth)
+                return self.walk(cast(Any, base)(obj), path, depth)
         raise self.fail(path, obj, "supported are None, bool, int, float, str, bytes, list, tuple, "
                         "dict, numpy arrays and scalars, torch CPU tensors and Handle")
 
@@ -191,7 +193,7 @@ class Encoded:
     Holds references to the source arrays until written; write it before changing them.
     """
 
-    __slots__ = ("nbytes", "_prefix", "_buffers")
+    __slots__ = ("_buffers", "_prefix", "nbytes")
 
     def __init__(self, prefix: bytes, buffers: list[tuple[int, Any]], nbytes: int) -> None:
         self.nbytes = nbytes

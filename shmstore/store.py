@@ -391,7 +391,8 @@ class StoreWriter(ObjectStore):
         return len(self._index)
 
     def _wring(self) -> RingWriter:
-        self.ring  # raises SegmentClosed once closed
+        if self._writer_ring.closed:
+            raise SegmentClosed(f"store {self.name!r} is closed; create it again to use it")
         return self._writer_ring
 
     # -- eviction ----------------------------------------------------------------------------

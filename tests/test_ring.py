@@ -187,7 +187,7 @@ class RingModel(RuleBasedStateMachine):
 
         freed = self.ring.free(is_free, nbytes=limit)
         expected, total = [], 0
-        for address, seq, nbytes in self.live:
+        for _, seq, nbytes in self.live:
             if seq not in allowed or (limit is not None and total >= limit):
                 break
             expected.append(seq)

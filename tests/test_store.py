@@ -1,0 +1,295 @@
+"""ObjectStore in one process: the vLLM-known behaviours, delivery accounting, every bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shmstore import (
+    CorruptObject,
+    Handle,
+    InvalidHandle,
+    InvalidKey,
+    KeyExists,
+    KeyNotCached,
+    ObjectStore,
+    ObjectTooLarge,
+    ReaderIndexError,
+    ReaderSlotBusy,
+    SegmentClosed,
+    SegmentExists,
+    StaleHandle,
+    StoreFull,
+    StoreReader,
+    StoreWriter,
+)
+from shmstore.store import OBJECT_HEADER, READER_SLOT, STORE_META, key_digest
+
+KIB = 1024
+
+
+@pytest.fixture
+def store(name: str):
+    w = ObjectStore.create(name, capacity=256 * KIB, n_readers=2, max_object_size=64 * KIB)
+    readers = [ObjectStore.attach(name, reader=i) for i in range(2)]
+    yield w, readers
+    for r in readers:
+        r.close()
+    w.close()
+
+
+def blob(i: int, nbytes: int = 40 * KIB) -> np.ndarray:
+    return np.full(nbytes, i % 256, dtype=np.uint8)
+
+
+def read_all(readers: list[StoreReader], handle: Handle) -> None:
+    for r in readers:
+        r.get(handle)
+
+
+def test_layout_offsets() -> None:
+    assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == 64
+    raw = OBJECT_HEADER.pack(b"d" * 16, 7)
+    assert raw[:16] == b"d" * 16 and int.from_bytes(raw[16:24], "little") == 7
+    raw = READER_SLOT.pack(-1, 5, 6)
+    assert int.from_bytes(raw[8:16], "little") == 5 and int.from_bytes(raw[16:24], "little") == 6
+
+
+def test_put_get_view_roundtrip_numpy_and_torch(store) -> None:
+    w, (r0, r1) = store
+    obj = {"pixel_values": torch.randn(1, 3, 16, 16).to(torch.bfloat16),
+           "image_sizes": np.array([[336, 336]]), "prompt": "describe"}
+    h = w.put("img-1", obj)
+    got = r0.get(h)
+    assert torch.equal(got["pixel_values"], obj["pixel_values"]) and got["prompt"] == "describe"
+    with r1.view(h) as v:
+        assert np.array_equal(v["image_sizes"], obj["image_sizes"])
+        assert not v["image_sizes"].flags.writeable
+        assert torch.equal(v["pixel_values"], obj["pixel_values"])
+    s = w.stats()
+    assert (s.puts, s.hits, s.objects, s.reader_lag) == (1, 0, 1, (0, 0))
+
+
+def test_handle_is_small_and_roundtrips_through_msgpack(store) -> None:
+    import msgpack
+
+    w, _ = store
+    h = w.put(b"\x01" * 32, 1)
+    assert len(msgpack.packb(h.pack())) <= 48
+    assert Handle.unpack(msgpack.unpackb(msgpack.packb(h.pack()))) == h
+
+
+def test_duplicate_key_is_refused(store) -> None:
+    w, _ = store
+    w.put("k", 1)
+    with pytest.raises(KeyExists, match="get_cached"):
+        w.put("k", 2)
+
+
+def test_oversize_object_names_both_sizes(store) -> None:
+    w, _ = store
+    with pytest.raises(ObjectTooLarge, match=r"\d+ bytes serialized, above .* \(65536 bytes\)") as e:
+        w.put("big", np.zeros(70 * KIB, np.uint8))
+    assert e.value.max_object_bytes == 64 * KIB and e.value.object_bytes > 70 * KIB
+
+
+def test_unread_oldest_blocks_reclamation_until_read(store) -> None:
+    w, readers = store
+    handles = [w.put(f"k{i}", blob(i)) for i in range(6)]  # 6 x 40 KiB in a 256 KiB ring
+    with pytest.raises(StoreFull, match=r"owed to reader\(s\) \[0, 1\]") as info:
+        w.put("next", blob(9))
+    assert info.value.lagging_readers == (0, 1)
+    readers[1].get(handles[0])
+    with pytest.raises(StoreFull, match=r"reader\(s\) \[0\]"):
+        w.put("next", blob(9))
+    readers[0].get(handles[0])
+    w.put("next", blob(9))  # reclamation resumes
+    s = w.stats()
+    assert s.evictions == 1 and s.full_events == 2 and not w.is_cached("k0")
+
+
+def test_overwritten_handle_raises_stale(store) -> None:
+    w, readers = store
+    first = w.put("k0", blob(0))
+    read_all(readers, first)
+    for i in range(1, 12):
+        read_all(readers, w.put(f"k{i}", blob(i)))
+    with pytest.raises(StaleHandle):
+        readers[0].get(first)
+
+
+def test_get_cached_counts_another_delivery(store) -> None:
+    w, (r0, r1) = store
+    h = w.put("k", blob(1))
+    assert w.is_cached("k") and not w.is_cached("other")
+    assert w.get_cached("k") == h
+    for r in (r0, r1):
+        r.get(h)
+    assert w.stats().reader_lag == (1, 1)
+    for i in range(2, 7):  # fill the ring; k is still owed once by each reader
+        w.put(f"k{i}", blob(i), timeout=0)
+        read_all([r0, r1], w.get_cached(f"k{i}"))
+        read_all([r0, r1], w._index[f"k{i}"].handle)
+    with pytest.raises(StoreFull):
+        w.put("x", blob(0))
+    read_all([r0, r1], h)
+    w.put("x", blob(0))
+    assert w.stats().hits == 6
+
+
+def test_get_cached_unknown_key(store) -> None:
+    w, _ = store
+    with pytest.raises(KeyNotCached, match="put it again"):
+        w.get_cached("nope")
+
+
+def test_release_gives_back_an_aborted_handout(store) -> None:
+    w, readers = store
+    h = w.put("aborted", blob(0))
+    w.release(h)
+    with pytest.raises(StaleHandle, match="no hand-out left"):
+        w.release(h)
+    for i in range(1, 7):
+        read_all(readers, w.put(f"k{i}", blob(i)))  # "aborted" is reclaimed without any read
+    assert not w.is_cached("aborted") and w.stats().releases == 1
+
+
+def test_view_counts_on_exit_even_when_the_block_raises(store) -> None:
+    w, (r0, _) = store
+    h = w.put("k", blob(3))
+    with pytest.raises(RuntimeError, match="boom"):
+        with r0.view(h):
+            raise RuntimeError("boom")
+    assert w.stats().reader_lag == (0, 1)
+
+
+def test_clear_makes_every_handle_stale(store) -> None:
+    w, (r0, _) = store
+    h = w.put("k", blob(1))
+    w.clear()
+    assert not w.is_cached("k") and w.stats().reader_lag == (0, 0)
+    h2 = w.put("k", blob(2))
+    assert h2.address == h.address and h2.seq > h.seq
+    with pytest.raises(StaleHandle):
+        r0.get(h)
+    assert r0.get(h2)[0] == 2
+
+
+def test_foreign_and_forged_handles(store, name: str) -> None:
+    w, (r0, _) = store
+    h = w.put("k", blob(1))
+    with pytest.raises(StaleHandle, match="another store"):
+        r0.get(Handle(h.address, h.seq, h.key_digest, h.epoch ^ 1))
+    with pytest.raises(StaleHandle, match="does not match the key"):
+        r0.get(Handle(h.address, h.seq, key_digest("other"), h.epoch))
+    with pytest.raises(StaleHandle):
+        r0.get(Handle(h.address, h.seq + 5, h.key_digest, h.epoch))
+    with pytest.raises(CorruptObject):
+        r0.get(Handle(h.address + 8, h.seq, h.key_digest, h.epoch))
+    with pytest.raises(CorruptObject):
+        r0.get(Handle(10**15, h.seq, h.key_digest, h.epoch))
+    with pytest.raises(InvalidHandle):
+        r0.get((h.address, h.seq))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [(-1, 1, b"k" * 16, 1), (True, 1, b"k" * 16, 1), (1, 2**64, b"k" * 16, 1), (1, 1, b"short", 1),
+     (1, 1, "k" * 16, 1), (1.0, 1, b"k" * 16, 1)],
+)
+def test_malformed_handles(fields: tuple) -> None:
+    with pytest.raises(InvalidHandle):
+        Handle(*fields)
+
+
+def test_unpack_rejects_wrong_lengths() -> None:
+    with pytest.raises(InvalidHandle, match="40 bytes"):
+        Handle.unpack(b"\0" * 39)
+    with pytest.raises(InvalidHandle):
+        Handle.unpack("x" * 40)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [1, None, 1.5, ("a",), "", b""])
+def test_wrong_key_types(store, key: object) -> None:
+    w, _ = store
+    with pytest.raises(InvalidKey):
+        w.put(key, 1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKey):
+        w.is_cached(key)  # type: ignore[arg-type]
+
+
+def test_str_and_bytes_keys_are_distinct(store) -> None:
+    w, (r0, _) = store
+    a, b = w.put("abc", 1), w.put(b"abc", 2)
+    assert a.key_digest != b.key_digest and r0.get(a) == 1 and r0.get(b) == 2
+
+
+@pytest.mark.parametrize("reader", [-1, 2, 100, True])
+def test_reader_index_out_of_range(store, reader: object, name: str) -> None:
+    with pytest.raises(ReaderIndexError, match=r"use 0\.\.1"):
+        ObjectStore.attach(name, reader=reader)  # type: ignore[arg-type]
+
+
+def test_reader_slot_of_a_live_process_is_refused(store, name: str) -> None:
+    w, (r0, _) = store
+    slot = w._slot_offset(0)
+    w._buf[slot:slot + 8] = (1).to_bytes(8, "little")  # pid 1 is alive and not us
+    with pytest.raises(ReaderSlotBusy, match="held by live process 1"):
+        ObjectStore.attach(name, reader=0)
+    w._buf[slot:slot + 8] = bytes(8)
+
+
+def test_second_writer_on_a_live_name(store, name: str) -> None:
+    with pytest.raises(SegmentExists, match="live writer"):
+        ObjectStore.create(name, capacity=4096, n_readers=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"capacity": 10, "n_readers": 1}, "capacity"), ({"capacity": 4096, "n_readers": -1}, "n_readers"),
+     ({"capacity": 4096, "n_readers": 1, "max_object_size": 10**9}, "max_object_size"),
+     ({"capacity": 4096, "n_readers": 1, "policy": "lfu"}, "policy")],
+)
+def test_bad_create_arguments(name: str, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ObjectStore.create(name, **kwargs)
+
+
+def test_closed_store_stays_closed(name: str) -> None:
+    w = ObjectStore.create(name, capacity=4096, n_readers=1)
+    r = ObjectStore.attach(name, reader=0)
+    h = w.put("k", 1)
+    r.close()
+    r.close()
+    with pytest.raises(SegmentClosed):
+        r.get(h)
+    w.close()
+    w.close()
+    with pytest.raises(SegmentClosed):
+        w.put("k2", 1)
+    assert isinstance(w, StoreWriter)
+
+
+def test_reader_slot_is_freed_on_close_and_reusable(store, name: str) -> None:
+    w, (r0, _) = store
+    r0.close()
+    assert w.stats().reader_pids[0] == 0
+    again = ObjectStore.attach(name, reader=0)
+    again.close()
+
+
+def test_zero_readers_reclaims_at_once(name: str) -> None:
+    with ObjectStore.create(name, capacity=64 * KIB, n_readers=0) as w:
+        for i in range(20):
+            w.put(f"k{i}", blob(i, 20 * KIB))
+        assert w.stats().evictions > 0
+
+
+def test_put_timeout_waits_then_names_the_reader(store) -> None:
+    w, (r0, r1) = store
+    for i in range(6):
+        h = w.put(f"k{i}", blob(i))
+        r0.get(h)
+    with pytest.raises(StoreFull, match=r"after waiting 0.05 s.*reader\(s\) \[1\]"):
+        w.put("x", blob(0), timeout=0.05)
