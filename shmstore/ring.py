@@ -76,9 +76,11 @@ class ShmRingBuffer:
     """
 
     _seg: Segment | None = None
+    _buf: memoryview | None = None  # the segment's mapping; None once closed
 
     def __init__(self, segment: Segment) -> None:
         self._seg = segment
+        self._buf = segment.buf
         self._data_start = segment.data_offset
         self._data_end = segment.data_offset + segment.capacity_bytes
         self._epoch = segment.epoch
@@ -144,25 +146,27 @@ class ShmRingBuffer:
             StaleHandle: `seq` is given and the chunk there has another seq (freed or reused).
             CorruptObject: the bytes there are not a valid chunk header.
         """
-        seg = self.segment
+        buf = self._buf
+        if buf is None:
+            raise _closed_error()
         if (isinstance(address, bool) or not isinstance(address, int)
                 or address < self._data_start or address + ALIGN_BYTES > self._data_end
                 or (address - self._data_start) % ALIGN_BYTES):
             raise CorruptObject(
-                f"address {address!r} is not a chunk address in ring {seg.name!r} (a multiple of "
+                f"address {address!r} is not a chunk address in ring {self.name!r} (a multiple of "
                 f"{ALIGN_BYTES} in [{self._data_start}, {self._data_end})): the handle is damaged"
             )
-        chunk_seq, chunk_bytes, payload_bytes, check = CHUNK_HEADER.unpack_from(seg.buf, address)
+        chunk_seq, chunk_bytes, payload_bytes, check = CHUNK_HEADER.unpack_from(buf, address)
         if seq is not None and chunk_seq != seq:
             raise StaleHandle(
-                f"chunk at address {address} of ring {seg.name!r} now has seq {chunk_seq}, not "
+                f"chunk at address {address} of ring {self.name!r} now has seq {chunk_seq}, not "
                 f"{seq}: the object was freed or overwritten; ask the writer to send it again"
             )
         if (chunk_seq == 0 or check != _check_word(chunk_seq, chunk_bytes, payload_bytes, self._epoch)
                 or chunk_bytes != ALIGN_BYTES + align_up(payload_bytes)
                 or address + chunk_bytes > self._data_end):
             raise CorruptObject(
-                f"no valid chunk at address {address} of ring {seg.name!r} (seq {chunk_seq}, "
+                f"no valid chunk at address {address} of ring {self.name!r} (seq {chunk_seq}, "
                 f"{chunk_bytes} chunk bytes, {payload_bytes} payload bytes): the segment is "
                 "corrupt or the handle is damaged"
             )
@@ -170,7 +174,10 @@ class ShmRingBuffer:
 
     def current_seq(self, address: int) -> int:
         """Return the seq now stored at `address` (unvalidated; for re-checks after a read)."""
-        return int(_SEQ.unpack_from(self.segment.buf, address)[0])
+        buf = self._buf
+        if buf is None:
+            raise _closed_error()
+        return int(_SEQ.unpack_from(buf, address)[0])
 
     @contextmanager
     def access(self, address: int, seq: int | None = None) -> Iterator[tuple[memoryview, ChunkHeader]]:
@@ -192,6 +199,7 @@ class ShmRingBuffer:
 
     def close(self) -> None:
         """Detach this process; idempotent."""
+        self._buf = None
         if self._seg is not None:
             self._seg.close()
 
@@ -334,6 +342,7 @@ class RingWriter(ShmRingBuffer):
 
     def close(self) -> None:
         """Detach and remove the name from /dev/shm; idempotent."""
+        self._buf = None
         if self._seg is not None:
             self._seg.close()
             self._seg.unlink()

@@ -475,6 +475,7 @@ class StoreReader(ObjectStore):
                 f"reader slot {reader} of store {self.name!r} is held by live process {pid}: "
                 "each reader index belongs to one process; pick a free index", reader, pid)
         self.reader = reader
+        self._reader_ring = ring
         self._slot = slot
         self._reads = self._words.load_acquire(slot + READER_TOTAL_READS)
         READER_SLOT.pack_into(self._buf, slot, os.getpid(), self._reads, time.time_ns())
@@ -487,7 +488,9 @@ class StoreReader(ObjectStore):
     def _locate(self, handle: Handle) -> tuple[int, int, int]:
         """Validate `handle` against the chunk it names; return (address, body start, body end)."""
         self._check_handle(handle)
-        header = self.ring.header(handle.address, handle.seq)
+        if self._buf is None:
+            raise SegmentClosed(f"store {self.name!r} is closed; attach it again to use it")
+        header = self._reader_ring.header(handle.address, handle.seq)
         start = handle.address + ALIGN_BYTES
         digest, body_bytes = OBJECT_HEADER.unpack_from(self._buf, start)
         if digest != handle.key_digest:
@@ -501,7 +504,7 @@ class StoreReader(ObjectStore):
 
     def _finish(self, handle: Handle) -> None:
         """Check the object was not overwritten while read, then count the read."""
-        if self.ring.current_seq(handle.address) != handle.seq:
+        if self._reader_ring.current_seq(handle.address) != handle.seq:
             raise StaleHandle(f"object seq {handle.seq} in store {self.name!r} was overwritten "
                               "while it was read; what was read is not valid (a reader read a "
                               "handle more often than it was handed out, or the store was cleared)")
