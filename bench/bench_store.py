@@ -17,15 +17,15 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from shmstore import ObjectStore  # noqa: E402
+from shmstore import ObjectStore
 
 MIB = 1 << 20
 SIZES = [64 << 10, 256 << 10, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -56,7 +56,6 @@ def bench_size(size: int, repeats: int, tag: str) -> dict[str, float]:
         np.copyto(footprint[start:start + len(src)], src)
 
     copyto_s = median_time(rotating_copy, repeats)
-    del footprint
     alloc_copy_s = median_time(lambda: src.copy(), repeats)
     name = f"shmstore-bench-{tag}-{os.getpid()}"
 
