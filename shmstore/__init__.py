@@ -4,8 +4,11 @@ The core import stays light (numpy, msgpack, posix_ipc); torch is imported only 
 is met.
 """
 
+from .broadcast import BroadcastQueue, QueueReader, QueueWriter
+from .channel import Channel, ChannelReader, ChannelWriter
 from .errors import (
     BadMagic,
+    Closed,
     CorruptObject,
     IncompatibleSegment,
     InvalidHandle,
@@ -13,6 +16,7 @@ from .errors import (
     InvalidName,
     KeyExists,
     KeyNotCached,
+    MessageTooLarge,
     ObjectTooLarge,
     ReaderIndexError,
     ReaderSlotBusy,
@@ -39,6 +43,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadMagic",
+    "BroadcastQueue",
+    "Channel",
+    "ChannelReader",
+    "ChannelWriter",
+    "Closed",
     "CorruptObject",
     "Handle",
     "IncompatibleSegment",
@@ -47,8 +56,11 @@ __all__ = [
     "InvalidName",
     "KeyExists",
     "KeyNotCached",
+    "MessageTooLarge",
     "ObjectStore",
     "ObjectTooLarge",
+    "QueueReader",
+    "QueueWriter",
     "ReaderIndexError",
     "ReaderSlotBusy",
     "RingWriter",

@@ -19,6 +19,13 @@ through libatomic's `__atomic_store_8` / `__atomic_load_8` with `__ATOMIC_RELEAS
 a message saying to install it (it ships with gcc, package libatomic1 on Debian/Ubuntu).
 
 `SHMSTORE_ORDERING=libatomic` forces the libatomic path on x86 too (the tests use it).
+
+A sleeping reader and a waking writer need more: a store followed by a load of another word
+(Dekker's pattern: "I am asleep" then "is there a message?", against "here is a message" then
+"is anyone asleep?"). Even x86 reorders a store with a later load, so `exchange` is a
+sequentially consistent atomic exchange (`__atomic_exchange_8`, a locked `xchg` on x86, a full
+barrier). Where libatomic is missing, `FULL_FENCE` is False and sleepers wake on a short timeout
+instead of relying on the handshake alone.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import os
 import platform
 from typing import Any
 
-__all__ = ["OrderedWords", "ORDERING"]
+__all__ = ["OrderedWords", "ORDERING", "FULL_FENCE"]
 
 _ATOMIC_ACQUIRE = 2  # __ATOMIC_ACQUIRE
 _ATOMIC_RELEASE = 3  # __ATOMIC_RELEASE
+_ATOMIC_SEQ_CST = 5  # __ATOMIC_SEQ_CST
 _TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 
@@ -48,20 +56,26 @@ ORDERING = _choose_ordering()
 _libatomic: ctypes.CDLL | None = None
 _atomic_load: Any = None  # __atomic_load_8(ptr, order); a module-level name: no class mangling
 _atomic_store: Any = None  # __atomic_store_8(ptr, value, order)
+_atomic_exchange: Any = None  # __atomic_exchange_8(ptr, value, order) -> old
+_path = ctypes.util.find_library("atomic")
+if _path is not None:
+    _libatomic = ctypes.CDLL(_path)
+    _atomic_exchange = _libatomic["__atomic_exchange_8"]
+    _atomic_exchange.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    _atomic_exchange.restype = ctypes.c_uint64
 if ORDERING == "libatomic":
-    _path = ctypes.util.find_library("atomic")
-    if _path is None:
+    if _libatomic is None:
         raise ImportError(
             f"shmstore needs libatomic on {platform.machine()} for cross-process memory ordering; "
             "install it (Debian/Ubuntu: apt install libatomic1)"
         )
-    _libatomic = ctypes.CDLL(_path)
     _atomic_load = _libatomic["__atomic_load_8"]
     _atomic_load.argtypes = [ctypes.c_void_p, ctypes.c_int]
     _atomic_load.restype = ctypes.c_uint64
     _atomic_store = _libatomic["__atomic_store_8"]
     _atomic_store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     _atomic_store.restype = None
+FULL_FENCE = _atomic_exchange is not None
 
 
 class OrderedWords:
@@ -78,7 +92,7 @@ class OrderedWords:
         whole = memoryview(mapping)
         self._words = whole[:len(whole) - len(whole) % 8].cast("Q")
         whole.release()
-        if _libatomic is not None:
+        if _libatomic is not None:  # raw addresses for libatomic
             self._anchor = (ctypes.c_char * len(mapping)).from_buffer(mapping)
             self._base_address = ctypes.addressof(self._anchor)
 
@@ -94,6 +108,17 @@ class OrderedWords:
             _atomic_store(self._base_address + offset, value, _ATOMIC_RELEASE)
             return
         self._words[offset >> 3] = value  # type: ignore[index]
+
+    def exchange(self, offset: int, value: int) -> int:
+        """Atomically swap in `value` at byte `offset` with a full barrier; return the old value.
+
+        Without libatomic this is a plain load and store (no barrier; see FULL_FENCE).
+        """
+        if _atomic_exchange is not None:
+            return int(_atomic_exchange(self._base_address + offset, value, _ATOMIC_SEQ_CST))
+        old = int(self._words[offset >> 3])  # type: ignore[index]
+        self._words[offset >> 3] = value  # type: ignore[index]
+        return old
 
     def release(self) -> None:
         """Drop the exports of the mapping so that it can be closed."""

@@ -31,6 +31,8 @@ __all__ = [
     "ReaderIndexError",
     "ReaderSlotBusy",
     "Timeout",
+    "Closed",
+    "MessageTooLarge",
 ]
 
 
@@ -180,3 +182,16 @@ class SegmentPermissionError(ShmStoreError, PermissionError):
 
 class InvalidHandle(ShmStoreError, ValueError):
     """A value that is not a well-formed Handle (wrong types, out-of-range fields, bad bytes)."""
+
+
+class Closed(ShmStoreError, EOFError):
+    """The writer closed the queue: no message will come any more."""
+
+
+class MessageTooLarge(ShmStoreError, ValueError):
+    """A message does not fit one queue slot (send large values through a Channel)."""
+
+    def __init__(self, message: str, message_bytes: int, slot_bytes: int) -> None:
+        super().__init__(message)
+        self.message_bytes = message_bytes
+        self.slot_bytes = slot_bytes

@@ -30,7 +30,7 @@ def leftover_segments() -> list[str]:
     found = []
     for entry in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, entry)
-        if entry.startswith(NAME_PREFIX):
+        if entry.startswith(NAME_PREFIX) or entry.startswith("sem." + NAME_PREFIX):
             found.append(entry)
             continue
         try:

@@ -14,6 +14,8 @@ EXPECTED = {
     "SegmentPermissionError", "SegmentTooSmall", "ShmRingBuffer", "ShmSpaceError", "ShmStoreError",
     "StaleHandle", "StoreFull", "StoreReader", "StoreStats", "StoreWriter", "Timeout",
     "VersionMismatch", "WrongSegmentKind", "decode", "dumps", "encode", "loads",
+    "BroadcastQueue", "QueueReader", "QueueWriter", "Channel", "ChannelReader", "ChannelWriter",
+    "Closed", "MessageTooLarge",
 }
 
 
@@ -33,6 +35,8 @@ def test_errors_share_one_base_and_stdlib_meanings() -> None:
     assert issubclass(shmstore.Timeout, TimeoutError)
     assert issubclass(shmstore.ShmSpaceError, OSError)
     assert issubclass(shmstore.SegmentNotFound, FileNotFoundError)
+    assert issubclass(shmstore.Closed, EOFError)
+    assert issubclass(shmstore.MessageTooLarge, ValueError)
 
 
 def test_import_is_light_and_does_not_pull_torch() -> None:
