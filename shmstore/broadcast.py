@@ -235,7 +235,7 @@ def _spin_then_sleep(ready: Any, sleep_flag: tuple[Any, int], bell: _Doorbell,
     if ready():
         return True
     now = time.monotonic()
-    spin_until = now + spin_s
+    spin_until = now + spin_s if deadline is None else min(now + spin_s, deadline)
     while now < spin_until:
         os.sched_yield()
         if ready():

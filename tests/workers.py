@@ -43,3 +43,62 @@ def reader_main(name: str, reader: int, inbox: Any, results: Any) -> None:
         results.put((reader, n_read, mismatches, views, f"{type(exc).__name__}: {exc}"))
     finally:
         store.close()
+
+
+def queue_reader_main(name: str, reader: int, results: Any, timeout: float) -> None:
+    """Attach to a queue, signal readiness, then report what one blocked get() ended with."""
+    import time
+
+    from shmstore import BroadcastQueue
+
+    q = BroadcastQueue.attach(name, reader=reader)
+    try:
+        results.put(("attached", reader))
+        t0 = time.monotonic()
+        try:
+            msg = q.get(timeout=timeout)
+            results.put(("message", msg, time.monotonic() - t0))
+        except Exception as exc:
+            results.put((type(exc).__name__, str(exc), time.monotonic() - t0))
+    finally:
+        q.close()
+
+
+def channel_reader_main(name: str, reader: int, results: Any, stop_after: int | None,
+                        hold_s: float = 0.0) -> None:
+    """Receive every value from a channel until Closed (or `stop_after` values); verify them.
+
+    After stopping early it stays attached, not reading, for `hold_s` seconds.
+    """
+    from shmstore import Channel, Closed
+
+    ch = Channel.attach(name, reader=reader)
+    received = mismatches = out_of_order = 0
+    try:
+        while stop_after is None or received < stop_after:
+            try:
+                if received % 2:
+                    with ch.recv_view(timeout=60) as value:
+                        ok = _value_ok(value)
+                        index = value["i"]
+                else:
+                    value = ch.recv(timeout=60)
+                    ok = _value_ok(value)
+                    index = value["i"]
+            except Closed:
+                break
+            out_of_order += index != received
+            mismatches += not ok
+            received += 1
+        results.put((reader, received, mismatches, out_of_order, None))
+        if stop_after is not None:
+            __import__("time").sleep(hold_s)
+    except Exception as exc:
+        results.put((reader, received, mismatches, out_of_order, f"{type(exc).__name__}: {exc}"))
+    finally:
+        ch.close()
+
+
+def _value_ok(value: dict[str, Any]) -> bool:
+    data = value["data"]
+    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest() == value["sum"]
