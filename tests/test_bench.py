@@ -1,0 +1,38 @@
+"""The benchmark scripts still run (tiny settings); their numbers are not checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(script: str, *args: str, tmp_path: Path) -> dict:
+    out_json = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=170, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out_json.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_store_runs(tmp_path: Path) -> None:
+    data = run_script("bench_store.py", "--quick", tmp_path=tmp_path)
+    assert len(data["rows"]) == 4 and all(r["put_s"] > 0 for r in data["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_pipeline_runs(tmp_path: Path) -> None:
+    data = run_script("bench_pipeline.py", "--quick", "--sizes", "262144", "--readers", "1",
+                      "--no-queue", tmp_path=tmp_path)
+    (row,) = data["transfer"]
+    assert row["n_readers"] == 1 and row["shmstore_s"] > 0 and row["shm-per-item_s"] > 0
