@@ -70,7 +70,8 @@ OBJECT_HEADER = struct.Struct("<16sQ40x")
 assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == ALIGN_BYTES
 READER_TOTAL_READS = 8  # byte offset of total_reads inside a reader slot
 MAX_READERS = 1024  # a reader table of 64 KiB; tensor parallelism stays far below
-POLICY_IDS = {"fifo": 1}
+POLICY_IDS = {"fifo": 1, "reinsert": 2}
+REINSERT_BUDGET_FACTOR = 2  # a put may copy at most this many times its own size forward
 _RETRY_SLEEP_S = (0.0002, 0.005)  # first and largest pause while a full put waits for readers
 
 
@@ -109,6 +110,9 @@ class StoreStats:
     n_readers: int
     reader_lag: tuple[int, ...]  # hand-outs each reader has not finished reading yet
     reader_pids: tuple[int, ...]  # 0 where no reader is attached
+    policy: str = "fifo"
+    reinsertions: int = 0  # objects copied forward instead of dropped (policy "reinsert")
+    bytes_reinserted: int = 0  # ring bytes those copies wrote
 
 
 @dataclass(slots=True)
@@ -116,6 +120,34 @@ class _Entry:
     key: str | bytes
     handle: Handle
     handouts: int
+    nbytes: int  # serialized size
+    hit: bool = False  # handed out again since it was (re)written
+
+
+class EvictionPolicy:
+    """Decides, for the oldest object every reader is done with, whether it stays.
+
+    The store owns the bytes and the "reclaim until it fits" loop; a policy only answers `keep`.
+    """
+
+    name = "fifo"
+
+    def keep(self, entry: _Entry, chunk_bytes: int, budget_bytes: int) -> bool:
+        """FIFO: never; the oldest reclaimable object goes."""
+        return False
+
+
+class ReinsertPolicy(EvictionPolicy):
+    """FIFO-reinsertion (CLOCK with one bit): an object hit since it was written is copied to
+    the head instead of dropped, while the put's copy budget lasts."""
+
+    name = "reinsert"
+
+    def keep(self, entry: _Entry, chunk_bytes: int, budget_bytes: int) -> bool:
+        return entry.hit and chunk_bytes <= budget_bytes
+
+
+_POLICIES: dict[str, type[EvictionPolicy]] = {"fifo": EvictionPolicy, "reinsert": ReinsertPolicy}
 
 
 class ObjectStore:
@@ -158,7 +190,9 @@ class ObjectStore:
             capacity: bytes of the ring that holds the objects.
             n_readers: how many readers must read each object before it can be reclaimed.
             max_object_size: largest serialized object accepted (default: what fits the ring).
-            policy: eviction policy; "fifo" reclaims the oldest object every reader is done with.
+            policy: "fifo" reclaims the oldest object every reader is done with; "reinsert"
+                copies it to the head instead when it was handed out again since it was
+                written (at most REINSERT_BUDGET_FACTOR times the new object's size per put).
             mode: permission bits of the segment (0o600: this user only).
             prefault: map with MAP_POPULATE so puts take no page faults.
         """
@@ -267,6 +301,8 @@ class StoreWriter(ObjectStore):
         super().__init__(ring)
         self._writer_ring = ring
         self.policy = policy
+        self._policy = _POLICIES[policy]()
+        self._reinsertions = self._bytes_reinserted = 0
         self.max_object_size = self._read_meta()[0]
         self._index: dict[str | bytes, _Entry] = {}
         self._by_seq: dict[int, _Entry] = {}
@@ -302,7 +338,7 @@ class StoreWriter(ObjectStore):
                 enc.nbytes, self.max_object_size)
         address, seq = self._allocate(self._obj_header_bytes + enc.nbytes, timeout)
         handle = Handle(address, seq, digest, self.epoch)
-        entry = _Entry(key, handle, 0)  # owed to nobody until fully written
+        entry = _Entry(key, handle, 0, enc.nbytes)  # owed to nobody until fully written
         self._by_seq[seq] = entry
         start = address + ALIGN_BYTES
         buf = self._buf
@@ -322,6 +358,13 @@ class StoreWriter(ObjectStore):
         key_digest(key)
         return key in self._index
 
+    def object_bytes(self, key: str | bytes) -> int:
+        """Serialized size of the cached object of `key`; KeyNotCached if it is not cached."""
+        entry = self._index.get(key)
+        if entry is None:
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r}", key)
+        return entry.nbytes
+
     def get_cached(self, key: str | bytes) -> Handle:
         """Hand the object of `key` out once more (one more read owed by every reader).
 
@@ -334,6 +377,7 @@ class StoreWriter(ObjectStore):
             raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
                                "or cleared): put it again", key)
         entry.handouts += 1
+        entry.hit = True
         self._hits += 1
         self._handed_out += 1
         return entry.handle
@@ -384,7 +428,8 @@ class StoreWriter(ObjectStore):
             objects=len(self._by_seq), puts=self._puts, hits=self._hits,
             evictions=self._evictions, releases=self._releases, full_events=self._full_events,
             max_object_size=self.max_object_size, n_readers=self.n_readers,
-            reader_lag=tuple(lag), reader_pids=tuple(pids),
+            reader_lag=tuple(lag), reader_pids=tuple(pids), policy=self.policy,
+            reinsertions=self._reinsertions, bytes_reinserted=self._bytes_reinserted,
         )
 
     def __len__(self) -> int:
@@ -404,27 +449,56 @@ class StoreWriter(ObjectStore):
         return [r for r in range(self.n_readers)
                 if words.load_acquire(self._counter_offset(address, r)) < entry.handouts]
 
-    def _is_free(self, seq: int, payload: memoryview) -> bool:
-        entry = self._by_seq[seq]
-        return entry.handouts == 0 or not self._owed_by(entry)
+    def _reclaim_one(self, budget: list[int]) -> bool:
+        """Free (or, if the policy keeps it, move to the head) the oldest object; False if it
+        is still owed to a reader. `budget` holds the copy bytes this put may still spend."""
+        ring = self._wring()
+        oldest = ring.oldest()
+        if oldest is None:
+            return False
+        entry = self._by_seq[oldest[1]]
+        if entry.handouts and self._owed_by(entry):
+            return False
+        header = ring.header(oldest[0], oldest[1])
+        if self._policy.keep(entry, header.chunk_bytes, budget[0]):
+            budget[0] -= header.chunk_bytes
+            self._move_to_head(entry, header.payload_bytes)
+            return True
+        ring.free(_always, nbytes=1)
+        del self._by_seq[oldest[1]]
+        if self._index.get(entry.key) is entry:
+            del self._index[entry.key]
+        self._evictions += 1
+        return True
 
-    def _reclaim_one(self) -> bool:
-        freed = self._wring().free(self._is_free, nbytes=1)
-        for seq in freed:
-            entry = self._by_seq.pop(seq)
-            if self._index.get(entry.key) is entry:
-                del self._index[entry.key]
-            self._evictions += 1
-        return bool(freed)
+    def _move_to_head(self, entry: _Entry, payload_bytes: int) -> None:
+        """Copy a fully read object from the tail to the head; its old handles become stale."""
+        ring = self._wring()
+        start = entry.handle.address + ALIGN_BYTES
+        saved = bytes(self._buf[start:start + payload_bytes])  # the new chunk may overlap it
+        ring.free(_always, nbytes=1)
+        address, seq = ring.allocate(payload_bytes)
+        start = address + ALIGN_BYTES
+        self._buf[start:start + payload_bytes] = saved
+        counters = start + OBJECT_HEADER.size
+        self._buf[counters:counters + 8 * self.n_readers] = bytes(8 * self.n_readers)
+        del self._by_seq[entry.handle.seq]
+        entry.handle = Handle(address, seq, entry.handle.key_digest, self.epoch)
+        entry.handouts = 0
+        entry.hit = False
+        self._by_seq[seq] = entry
+        self._reinsertions += 1
+        self._bytes_reinserted += ring.chunk_bytes_for(payload_bytes)
 
     def _allocate(self, payload_bytes: int, timeout: float | None) -> tuple[int, int]:
         ring = self._wring()
         deadline = None if not timeout else time.monotonic() + timeout
         pause = _RETRY_SLEEP_S[0]
         counted = False
+        budget = [REINSERT_BUDGET_FACTOR * ring.chunk_bytes_for(payload_bytes)]
         while True:
             while not ring.fits(payload_bytes):
-                if not self._reclaim_one():
+                if not self._reclaim_one(budget):
                     break
             else:
                 return ring.allocate(payload_bytes)
@@ -453,6 +527,10 @@ class StoreWriter(ObjectStore):
             f"reader(s) {list(lagging)}. Have them read it (or release() its handle), pass a "
             "timeout to put(), or create a larger store",
             payload_bytes, self.capacity, lagging)
+
+
+def _always(seq: int, payload: memoryview) -> bool:
+    return True
 
 
 class StoreReader(ObjectStore):
