@@ -24,3 +24,18 @@ def test_tensor_exchange_example() -> None:
     assert "reader 0: 40/40 tensors verified" in out.stdout
     assert "reader 1: 40/40 tensors verified" in out.stdout
     assert set(os.listdir("/dev/shm")) <= before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["shm-fifo", "shm-reinsert", "lru"])
+def test_cache_workers_example(kind: str) -> None:
+    before = set(os.listdir("/dev/shm"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "mm_cache_workers.py"), kind],
+        capture_output=True, text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("pixel_values (1, 3, 336, 336)") == 12  # 6 requests x 2 ranks
+    assert f"kind='{kind}', requests=6, hits=3" in out.stdout
+    assert set(os.listdir("/dev/shm")) <= before
