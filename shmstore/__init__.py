@@ -5,6 +5,7 @@ is met.
 """
 
 from .broadcast import BroadcastQueue, QueueReader, QueueWriter
+from .cache import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache, make_cache
 from .channel import Channel, ChannelReader, ChannelWriter
 from .errors import (
     BadMagic,
@@ -34,6 +35,7 @@ from .errors import (
     WrongSegmentKind,
 )
 from .handle import Handle
+from .hashing import mm_hash
 from .ring import RingWriter, ShmRingBuffer
 from .segment import Segment
 from .serde import decode, dumps, encode, loads
@@ -42,8 +44,10 @@ from .store import ObjectStore, StoreReader, StoreStats, StoreWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "CACHE_KINDS",
     "BadMagic",
     "BroadcastQueue",
+    "CacheStats",
     "Channel",
     "ChannelReader",
     "ChannelWriter",
@@ -62,6 +66,7 @@ __all__ = [
     "QueueReader",
     "QueueWriter",
     "ReaderIndexError",
+    "ReceiverCache",
     "ReaderSlotBusy",
     "RingWriter",
     "Segment",
@@ -70,6 +75,7 @@ __all__ = [
     "SegmentNotFound",
     "SegmentPermissionError",
     "SegmentTooSmall",
+    "SenderCache",
     "ShmRingBuffer",
     "ShmSpaceError",
     "ShmStoreError",
@@ -85,4 +91,6 @@ __all__ = [
     "dumps",
     "encode",
     "loads",
+    "make_cache",
+    "mm_hash",
 ]

@@ -15,7 +15,8 @@ EXPECTED = {
     "StaleHandle", "StoreFull", "StoreReader", "StoreStats", "StoreWriter", "Timeout",
     "VersionMismatch", "WrongSegmentKind", "decode", "dumps", "encode", "loads",
     "BroadcastQueue", "QueueReader", "QueueWriter", "Channel", "ChannelReader", "ChannelWriter",
-    "Closed", "MessageTooLarge",
+    "Closed", "MessageTooLarge", "CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache",
+    "make_cache", "mm_hash",
 }
 
 
