@@ -32,6 +32,7 @@ from .errors import (
     StoreFull,
     Timeout,
     VersionMismatch,
+    WriterGone,
     WrongSegmentKind,
 )
 from .handle import Handle
@@ -86,6 +87,7 @@ __all__ = [
     "StoreWriter",
     "Timeout",
     "VersionMismatch",
+    "WriterGone",
     "WrongSegmentKind",
     "decode",
     "dumps",

@@ -42,6 +42,7 @@ n_readers are attached.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import time
@@ -60,11 +61,13 @@ from .errors import (
     ReaderSlotBusy,
     SegmentClosed,
     Timeout,
+    WriterGone,
 )
 from .segment import ALIGN_BYTES, KIND_QUEUE, SEGMENT_HEADER, Segment, align_up, pid_alive
 from .serde import Encoded, decode, encode
 
-__all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "SLOT_HEADER"]
+__all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "SLOT_HEADER",
+           "remove_semaphores"]
 
 QUEUE_META = struct.Struct("<IIQQQ32x")
 QUEUE_READER = struct.Struct("<qQQ40x")
@@ -81,10 +84,24 @@ MAX_SLOT_BYTES = 1 << 30  # a u32 field; large values go through a Channel's sto
 DEFAULT_SPIN_S = 0.002  # spin this long after the last message before sleeping: keeps latency
 #                         at a few microseconds under load and the CPU idle when idle
 WAKE_CHECK_S = 0.05 if FULL_FENCE else 0.005  # a sleeper re-checks this often in any case
+PID_CHECK_S = 0.2  # how often a waiting side checks that the process it waits for is alive
+log = logging.getLogger("shmstore")
 
 
 def _sem_name(name: str, who: str) -> str:
     return f"/{name}.{who}"
+
+
+def remove_semaphores(name: str, n_readers: int) -> int:
+    """Unlink the semaphores of queue `name` (after its writer died); return how many went."""
+    removed = 0
+    for who in [f"r{r}" for r in range(n_readers)] + ["w"]:
+        try:
+            posix_ipc.unlink_semaphore(_sem_name(name, who))
+            removed += 1
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
 
 
 class _Doorbell:
@@ -95,8 +112,16 @@ class _Doorbell:
     def __init__(self, name: str, create: bool) -> None:
         self.name = name
         self.owner = create
-        flags = posix_ipc.O_CREX if create else 0
-        self._sem = posix_ipc.Semaphore(name, flags=flags, mode=0o600, initial_value=0)
+        if not create:
+            self._sem = posix_ipc.Semaphore(name)
+            return
+        try:
+            self._sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.ExistentialError:
+            # Left by a writer that died: this process owns the queue's name now, so the
+            # semaphore is stale. Replace it rather than share a count with nobody.
+            posix_ipc.unlink_semaphore(name)
+            self._sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=0o600)
 
     def ring(self) -> None:
         self._sem.release()
@@ -264,6 +289,8 @@ class QueueWriter(BroadcastQueue):
         super().__init__(segment)
         self._spin_s = spin_s
         self._write_seq = 0
+        self._liveness: dict[int, tuple[int, float, bool]] = {}
+        self._reported_dead: set[tuple[int, int]] = set()
         self._bells: list[_Doorbell] = []
         self._writer_bell: _Doorbell | None = None
         try:
@@ -291,12 +318,34 @@ class QueueWriter(BroadcastQueue):
             time.sleep(0.001)
 
     def _lagging(self, seq: int) -> list[int]:
-        """Attached readers that have not consumed message seq - n_slots yet."""
+        """Attached, live readers that have not consumed message seq - n_slots yet."""
         words = self._words
         need = seq - self.n_slots
-        return [r for r in range(self.n_readers)
-                if self._reader_pid(r) != 0
-                and words.load_acquire(self._reader_word(r, READER_READ_SEQ)) < need]
+        lagging = []
+        for r in range(self.n_readers):
+            pid = self._reader_pid(r)
+            if pid and words.load_acquire(self._reader_word(r, READER_READ_SEQ)) < need:
+                if self._alive(r, pid):
+                    lagging.append(r)
+        return lagging
+
+    def _alive(self, reader: int, pid: int) -> bool:
+        """Liveness of a lagging reader's pid, checked at most every PID_CHECK_S."""
+        known, checked, alive = self._liveness.get(reader, (0, 0.0, True))
+        now = time.monotonic()
+        if known != pid or now - checked >= PID_CHECK_S:
+            alive = pid_alive(pid)
+            self._liveness[reader] = (pid, now, alive)
+            if not alive and (reader, pid) not in self._reported_dead:
+                self._reported_dead.add((reader, pid))
+                log.warning("queue %r: reader %d (pid %d) died; no longer waiting for it",
+                            self.name, reader, pid)
+        return alive
+
+    @property
+    def dead_readers(self) -> int:
+        """Readers found dead while the writer waited for them."""
+        return len(self._reported_dead)
 
     def put(self, msg: Any, timeout: float | None = None) -> None:
         """Publish `msg` to every attached reader.
@@ -389,14 +438,25 @@ class QueueReader(BroadcastQueue):
         self._bell = _Doorbell(_sem_name(self.name, f"r{reader}"), create=False)
         self._writer_bell = _Doorbell(_sem_name(self.name, "w"), create=False)
         self.reader = reader
+        self._writer_pid = segment.writer_pid
+        self._writer_checked = time.monotonic()
+        self._writer_gone = False
         words = self._words
         self._read_seq = words.load_acquire(self._meta + META_WRITE_SEQ)  # start at the head
         words.exchange(self._reader_word(reader, READER_READ_SEQ), self._read_seq)
         words.exchange(self._reader_word(reader, 0), os.getpid())
 
     def _ready(self) -> bool:
-        return bool(self._words.load_acquire(self._slot(self._read_seq + 1)) == self._read_seq + 1
-                    or self._words.load_acquire(self._meta + META_CLOSED))
+        """A message is there, or waiting is over (closed, or the writer died)."""
+        words = self._words
+        if (words.load_acquire(self._slot(self._read_seq + 1)) == self._read_seq + 1
+                or words.load_acquire(self._meta + META_CLOSED)):
+            return True
+        now = time.monotonic()
+        if now - self._writer_checked >= PID_CHECK_S:
+            self._writer_checked = now
+            self._writer_gone = not pid_alive(self._writer_pid)
+        return self._writer_gone
 
     def get(self, timeout: float | None = None) -> Any:
         """Return the next message (an owned copy), waiting up to `timeout` seconds.
@@ -426,6 +486,11 @@ class QueueReader(BroadcastQueue):
             if found != seq:
                 if words.load_acquire(self._meta + META_CLOSED):
                     raise Closed(f"queue {self.name!r} was closed by its writer; no more messages")
+                if self._writer_gone:
+                    raise WriterGone(
+                        f"the writer of queue {self.name!r} (pid {self._writer_pid}) died; no "
+                        "more messages will come. Attach again once a new writer has created "
+                        "the queue")
                 raise CorruptObject(f"slot of message {seq} on queue {self.name!r} holds message "
                                     f"{found}: the queue is corrupt")
         nbytes, tag = _SLOT_SIZE_TAG.unpack_from(buf, slot + 8)

@@ -1,9 +1,10 @@
-"""Command line: `shmstore demo` (also `python -m shmstore demo`)."""
+"""Command line: `shmstore demo | ls | rm NAME | gc` (also `python -m shmstore ...`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,7 +15,81 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import add_arguments
 
     add_arguments(demo)
+    commands.add_parser("ls", help="list shmstore segments in /dev/shm with owner, size and age")
+    rm = commands.add_parser("rm", help="remove a segment whose writer is dead (never a live one)")
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    commands.add_parser("gc", help="remove every segment whose writer is dead")
     return parser
+
+
+def cmd_ls() -> int:
+    from .segment import list_segments
+
+    rows = [("NAME", "KIND", "READERS", "SIZE", "WRITER", "STATE", "AGE")]
+    now = time.time_ns()
+    for info in list_segments():
+        rows.append((info.name, info.kind_name, str(info.n_readers), _size(info.size_bytes),
+                     str(info.writer_pid), "alive" if info.writer_alive else "dead",
+                     _age((now - info.created_ns) / 1e9)))
+    if len(rows) == 1:
+        print("no shmstore segments in /dev/shm")
+        return 0
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def remove(name: str) -> str:
+    """Remove one dead segment (and a queue's semaphores); return what happened."""
+    from .broadcast import remove_semaphores
+    from .segment import KIND_QUEUE, Segment, list_segments
+
+    info = next((i for i in list_segments() if i.name == name), None)
+    if info is None:
+        return f"{name}: no shmstore segment of that name"
+    if info.writer_alive:
+        return f"{name}: its writer (pid {info.writer_pid}) is alive; stop it instead"
+    Segment.remove_stale(name)
+    extra = ""
+    if info.kind == KIND_QUEUE:
+        extra = f" and {remove_semaphores(name, info.n_readers)} semaphores"
+    return f"{name}: removed ({_size(info.size_bytes)}{extra})"
+
+
+def cmd_rm(names: list[str]) -> int:
+    status = 0
+    for name in names:
+        message = remove(name)
+        print(message)
+        status |= 0 if message.endswith(")") else 1
+    return status
+
+
+def cmd_gc() -> int:
+    from .segment import list_segments
+
+    dead = [i.name for i in list_segments() if not i.writer_alive]
+    for name in dead:
+        print(remove(name))
+    print(f"{len(dead)} dead segment(s) removed")
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return str(nbytes)  # pragma: no cover
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    if args.command == "ls":
+        return cmd_ls()
+    if args.command == "rm":
+        return cmd_rm(args.names)
+    return cmd_gc()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ __all__ = [
     "Timeout",
     "Closed",
     "MessageTooLarge",
+    "WriterGone",
 ]
 
 
@@ -195,3 +196,7 @@ class MessageTooLarge(ShmStoreError, ValueError):
         super().__init__(message)
         self.message_bytes = message_bytes
         self.slot_bytes = slot_bytes
+
+
+class WriterGone(ShmStoreError, ConnectionError):
+    """The writer process died: no message will come any more (unlike Closed, not on purpose)."""

@@ -23,6 +23,7 @@ and `close()`. Memoryviews from `buf` stay valid until `close()`.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import re
@@ -30,6 +31,7 @@ import secrets
 import struct
 import time
 import warnings
+from dataclasses import dataclass
 from types import TracebackType
 
 import posix_ipc
@@ -59,6 +61,8 @@ __all__ = [
     "align_up",
     "pid_alive",
     "shm_free_bytes",
+    "SegmentInfo",
+    "list_segments",
 ]
 
 MAGIC = b"SHMSTORE"
@@ -70,6 +74,8 @@ KIND_NAMES = {KIND_RING: "object store (ring buffer)", KIND_QUEUE: "broadcast qu
 SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory, for messages and free-space checks
 MAX_NAME_CHARS = 200  # NAME_MAX is 255; leave room for prefixes a caller may add
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+log = logging.getLogger("shmstore")
 
 SEGMENT_HEADER = struct.Struct("<8sIIIIQQqQQ")
 assert SEGMENT_HEADER.size == 64  # the layout above; tests check each offset too
@@ -168,6 +174,9 @@ class Segment:
             mode: permission bits (0o600: only this user may attach).
             prefault: map with MAP_POPULATE so later writes take no page faults.
 
+        A shmstore segment left behind by a writer that died (its pid is gone) is taken over:
+        unlinked and created anew. A live writer's name is never taken.
+
         Raises:
             SegmentExists: the name is taken (the message says by whom and what to do).
             ShmSpaceError: /dev/shm cannot hold `capacity_bytes` more.
@@ -183,9 +192,7 @@ class Segment:
         data_offset = align_up(SEGMENT_HEADER.size + meta_bytes)
         total_bytes = data_offset + capacity_bytes
         try:
-            shm = posix_ipc.SharedMemory(_posix_name(name), flags=posix_ipc.O_CREX, mode=mode, size=0)
-        except posix_ipc.ExistentialError:
-            raise _exists_error(name) from None
+            shm = _create_exclusive(name, mode)
         except posix_ipc.PermissionsError as exc:
             raise SegmentPermissionError(
                 f"cannot create shared memory {name!r}: {exc}; choose another name", name
@@ -432,6 +439,61 @@ def _exists_error(name: str) -> SegmentExists:
         f"remove it (Segment.remove_stale({name!r}) or rm {SHM_DIR}/{name}) and create it again",
         name, pid, False,
     )
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What `shmstore ls` shows of one segment in /dev/shm."""
+
+    name: str
+    kind: int
+    n_readers: int
+    size_bytes: int
+    writer_pid: int
+    writer_alive: bool
+    created_ns: int
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, f"kind {self.kind}")
+
+
+def list_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
+    """Every shmstore segment in `shm_dir` this user can read, by name."""
+    found = []
+    for entry in sorted(os.listdir(shm_dir)):
+        path = os.path.join(shm_dir, entry)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(SEGMENT_HEADER.size)
+                size = os.fstat(f.fileno()).st_size
+        except OSError:
+            continue
+        if len(header) < SEGMENT_HEADER.size or header[:8] != MAGIC:
+            continue
+        _, _, kind, n_readers, _, _, _, pid, _, created_ns = SEGMENT_HEADER.unpack(header)
+        found.append(SegmentInfo(entry, kind, n_readers, size, pid, pid_alive(pid), created_ns))
+    return found
+
+
+def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
+    """O_CREAT|O_EXCL the name, taking over a stale shmstore segment of a dead writer once."""
+    try:
+        return posix_ipc.SharedMemory(_posix_name(name), flags=posix_ipc.O_CREX, mode=mode, size=0)
+    except posix_ipc.ExistentialError:
+        pid = _peek_writer_pid(name)
+        if pid is None or pid_alive(pid):
+            raise _exists_error(name) from None
+    log.warning("taking over shared memory %r left by writer pid %d, which is no longer running",
+                name, pid)
+    try:
+        posix_ipc.unlink_shared_memory(_posix_name(name))
+    except posix_ipc.ExistentialError:
+        pass
+    try:
+        return posix_ipc.SharedMemory(_posix_name(name), flags=posix_ipc.O_CREX, mode=mode, size=0)
+    except posix_ipc.ExistentialError:  # another process took it over first
+        raise _exists_error(name) from None
 
 
 def _peek_writer_pid(name: str) -> int | None:

@@ -3,22 +3,35 @@
 The writer (from `ObjectStore.create`) puts objects and hands out Handles; each reader (from
 `ObjectStore.attach(name, reader=i)`) reads them with `get` (owned copy) or `view` (zero copy).
 
-Delivery without locks: the writer counts, in its own memory, how often it handed each object out
-(`put` once, then once per `get_cached`, minus `release`). Each reader counts, in a word of the
-object's header that only it writes, how often it finished reading the object. The writer may
-reclaim an object only when every reader's count has reached the hand-out count.
+Delivery without locks: the writer records, in its own memory, each hand-out of an object
+(`put` once, then once per `get_cached`, minus `release`), numbered by a store-wide hand-out
+sequence. Each reader counts, in a word of the object's header that only it writes, how often it
+finished reading the object. The writer may reclaim an object only when every reader has read it
+as often as it was handed out to that reader.
+
+Readers that die or leave: a reader slot has a generation, raised by every attach. The first
+reader of a slot owes every hand-out; a replacement owes only hand-outs made after it attached
+(what was sent to its dead predecessor is lost with it). A slot whose reader died (its pid is
+gone; checked when a put is blocked and at least once a second) or closed owes nothing, so it
+never pins objects; a slot nobody has attached to yet owes everything (readers are expected).
+Read counters carry the generation of the reader that wrote them, so reads of a dead reader
+never count for its replacement.
 
 Store meta area (segment offset 64, after the segment header; little-endian)::
 
     offset  size  field
     0       8     max_object_size   u64, largest serialized object accepted
     8       4     policy            u32, POLICY_IDS
-    12      52    reserved
-    64      64*n  reader table, one cache line per reader:
-                    0   8  pid          i64, 0 when the slot is free (written by that reader)
-                    8   8  total_reads  u64, reads finished, ever (written by that reader)
-                    16  8  attached_ns  u64, when the reader attached
-                    24  40 reserved
+    12      4     reserved
+    16      8     handout_seq       u64, number of the last hand-out (written by the writer)
+    24      40    reserved
+    64      64*n  reader table, one cache line per reader (written only by that reader):
+                    0   8  pid             i64, 0 when no reader is attached
+                    8   8  total_reads     u64, reads finished by this slot, ever
+                    16  8  attached_ns     u64, when the reader attached
+                    24  8  generation      u64, 0 before the first attach, +1 per attach
+                    32  8  attach_handout  u64, hand-outs before this one are not owed to it
+                    40  24 reserved
 
 Object layout (the payload of one ring chunk)::
 
@@ -26,7 +39,8 @@ Object layout (the payload of one ring chunk)::
     0       16    key_digest      blake2b-128 of the key
     16      8     body_bytes      u64, serialized size (serde body)
     24      40    reserved
-    64      8*n   read counters   u64 per reader, each written only by its reader (store-release)
+    64      8*n   read counters   u64 per reader: generation << 32 | reads by that generation,
+                                  each written only by its reader (store-release)
     64+8n   pad   to a cache line
     header  ...   body            serde layout; arrays inside stay cache-line aligned
 """
@@ -34,6 +48,7 @@ Object layout (the payload of one ring chunk)::
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 import time
@@ -64,11 +79,17 @@ from .serde import decode, encode
 
 __all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "MAX_READERS", "key_digest"]
 
-STORE_META = struct.Struct("<QI52x")
-READER_SLOT = struct.Struct("<qQQ40x")
+STORE_META = struct.Struct("<QI4xQ40x")
+READER_SLOT = struct.Struct("<qQQQQ24x")
 OBJECT_HEADER = struct.Struct("<16sQ40x")
 assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == ALIGN_BYTES
-READER_TOTAL_READS = 8  # byte offset of total_reads inside a reader slot
+META_HANDOUT_SEQ = 16  # byte offset of handout_seq inside the store meta area
+READER_TOTAL_READS = 8  # byte offsets inside a reader slot
+READER_GENERATION = 24
+READER_ATTACH_HANDOUT = 32
+LIVENESS_CHECK_S = 1.0  # a reader's pid is checked at least this often while it owes reads
+_COUNT_MASK = (1 << 32) - 1
+log = logging.getLogger("shmstore")
 MAX_READERS = 1024  # a reader table of 64 KiB; tensor parallelism stays far below
 POLICY_IDS = {"fifo": 1, "reinsert": 2}
 REINSERT_BUDGET_FACTOR = 2  # a put may copy at most this many times its own size forward
@@ -108,8 +129,9 @@ class StoreStats:
     full_events: int
     max_object_size: int
     n_readers: int
-    reader_lag: tuple[int, ...]  # hand-outs each reader has not finished reading yet
+    reader_lag: tuple[int, ...]  # hand-outs each reader owes on live objects
     reader_pids: tuple[int, ...]  # 0 where no reader is attached
+    dead_readers: int = 0  # readers found dead (their pid gone) and no longer waited for
     policy: str = "fifo"
     reinsertions: int = 0  # objects copied forward instead of dropped (policy "reinsert")
     bytes_reinserted: int = 0  # ring bytes those copies wrote
@@ -119,7 +141,7 @@ class StoreStats:
 class _Entry:
     key: str | bytes
     handle: Handle
-    handouts: int
+    handouts: list[int]  # hand-out numbers not yet released, oldest first
     nbytes: int  # serialized size
     hit: bool = False  # handed out again since it was (re)written
 
@@ -217,7 +239,7 @@ class ObjectStore:
             n_readers=n_readers, mode=mode, prefault=prefault,
         )
         try:
-            STORE_META.pack_into(ring.meta, 0, max_object_size, POLICY_IDS[policy])
+            STORE_META.pack_into(ring.meta, 0, max_object_size, POLICY_IDS[policy], 0)
             return StoreWriter(ring, policy)
         except BaseException:
             ring.close()
@@ -251,7 +273,7 @@ class ObjectStore:
             raise IncompatibleSegment(
                 f"store {self.name!r} has a {len(meta)}-byte meta area, too small for "
                 f"{self.n_readers} readers: the segment is corrupt; recreate it", self.name)
-        max_object_size, policy_id = STORE_META.unpack_from(meta, 0)
+        max_object_size, policy_id, _ = STORE_META.unpack_from(meta, 0)
         if policy_id not in POLICY_IDS.values() or not 0 < max_object_size <= self.capacity:
             raise IncompatibleSegment(
                 f"store {self.name!r} has policy id {policy_id} and max_object_size "
@@ -307,8 +329,9 @@ class StoreWriter(ObjectStore):
         self._index: dict[str | bytes, _Entry] = {}
         self._by_seq: dict[int, _Entry] = {}
         self._puts = self._hits = self._evictions = self._releases = self._full_events = 0
-        self._handed_out = 0
-        self._written_off = [0] * self.n_readers  # hand-outs dropped unread by clear()
+        self._handout_seq = 0
+        self._liveness: list[tuple[int, float, bool]] = [(0, 0.0, True)] * self.n_readers
+        self._reported_dead: set[tuple[int, int]] = set()  # (reader, generation) logged dead
 
     # -- the API -----------------------------------------------------------------------------
 
@@ -338,7 +361,7 @@ class StoreWriter(ObjectStore):
                 enc.nbytes, self.max_object_size)
         address, seq = self._allocate(self._obj_header_bytes + enc.nbytes, timeout)
         handle = Handle(address, seq, digest, self.epoch)
-        entry = _Entry(key, handle, 0, enc.nbytes)  # owed to nobody until fully written
+        entry = _Entry(key, handle, [], enc.nbytes)  # owed to nobody until fully written
         self._by_seq[seq] = entry
         start = address + ALIGN_BYTES
         buf = self._buf
@@ -347,10 +370,9 @@ class StoreWriter(ObjectStore):
         buf[counters:counters + 8 * self.n_readers] = bytes(8 * self.n_readers)
         body = start + self._obj_header_bytes
         enc.write_into(buf[body:body + enc.nbytes])
-        entry.handouts = 1
+        self._hand_out(entry)
         self._index[key] = entry
         self._puts += 1
-        self._handed_out += 1
         return handle
 
     def is_cached(self, key: str | bytes) -> bool:
@@ -376,11 +398,15 @@ class StoreWriter(ObjectStore):
             key_digest(key)
             raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
                                "or cleared): put it again", key)
-        entry.handouts += 1
+        self._hand_out(entry)
         entry.hit = True
         self._hits += 1
-        self._handed_out += 1
         return entry.handle
+
+    def _hand_out(self, entry: _Entry) -> None:
+        self._handout_seq += 1
+        entry.handouts.append(self._handout_seq)
+        self._words.store_release(SEGMENT_HEADER.size + META_HANDOUT_SEQ, self._handout_seq)
 
     def release(self, handle: Handle) -> None:
         """Take back one hand-out of `handle` that no reader will read (an aborted request).
@@ -393,35 +419,27 @@ class StoreWriter(ObjectStore):
         if entry is None or entry.handle != handle:
             raise StaleHandle(f"handle {handle} names no live object in store {self.name!r}; "
                               "it was reclaimed or cleared already")
-        if entry.handouts == 0:
+        if not entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out left to release in store "
                               f"{self.name!r}; release each hand-out at most once")
-        entry.handouts -= 1
+        entry.handouts.pop()
         self._releases += 1
-        self._handed_out -= 1
 
     def clear(self) -> None:
         """Drop every object; every handle issued before now becomes stale."""
-        words = self._words
-        for entry in self._by_seq.values():
-            for r in range(self.n_readers):
-                done = words.load_acquire(self._counter_offset(entry.handle.address, r))
-                self._written_off[r] += max(0, entry.handouts - done)
         self._evictions += len(self._wring().clear())
         self._index.clear()
         self._by_seq.clear()
 
     def stats(self) -> StoreStats:
-        """Return counters and per-reader lag; O(n_readers)."""
+        """Return counters and what each reader owes; O(objects x readers)."""
         ring = self._wring()
-        words = self._words
-        lag = []
-        pids = []
-        for r in range(self.n_readers):
-            slot = self._slot_offset(r)
-            reads = words.load_acquire(slot + READER_TOTAL_READS)
-            lag.append(max(0, self._handed_out - self._written_off[r] - reads))
-            pids.append(int.from_bytes(self._buf[slot:slot + 8], "little", signed=True))
+        states = self._reader_states(force=False)
+        lag = [0] * self.n_readers
+        for entry in self._by_seq.values():
+            for r, state in enumerate(states):
+                lag[r] += self._owed(entry, r, state)
+        pids = [self._slot_fields(r)[0] for r in range(self.n_readers)]
         return StoreStats(
             name=self.name, capacity_bytes=self.capacity,
             bytes_in_use=ring.used_bytes,
@@ -430,6 +448,7 @@ class StoreWriter(ObjectStore):
             max_object_size=self.max_object_size, n_readers=self.n_readers,
             reader_lag=tuple(lag), reader_pids=tuple(pids), policy=self.policy,
             reinsertions=self._reinsertions, bytes_reinserted=self._bytes_reinserted,
+            dead_readers=len(self._reported_dead),
         )
 
     def __len__(self) -> int:
@@ -442,14 +461,58 @@ class StoreWriter(ObjectStore):
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def _owed_by(self, entry: _Entry) -> list[int]:
-        """Readers that have not finished reading `entry` as often as it was handed out."""
+    def _slot_fields(self, reader: int) -> tuple[int, int, int]:
+        """(pid, generation, attach_handout) of a reader slot, as its reader last wrote them."""
+        slot = self._slot_offset(reader)
         words = self._words
-        address = entry.handle.address
-        return [r for r in range(self.n_readers)
-                if words.load_acquire(self._counter_offset(address, r)) < entry.handouts]
+        pid = words.load_acquire(slot)  # first: the reader stores it last
+        if pid >= 1 << 63:
+            pid -= 1 << 64
+        return (pid, words.load_acquire(slot + READER_GENERATION),
+                words.load_acquire(slot + READER_ATTACH_HANDOUT))
 
-    def _reclaim_one(self, budget: list[int]) -> bool:
+    def _reader_states(self, force: bool) -> list[tuple[int, int] | None]:
+        """Per reader: (generation, attach_handout) while it owes reads, None when it owes
+        nothing (it died or left). Pids are checked when `force` or once a LIVENESS_CHECK_S."""
+        states: list[tuple[int, int] | None] = []
+        now = time.monotonic()
+        for r in range(self.n_readers):
+            pid, generation, attach_handout = self._slot_fields(r)
+            if generation == 0:  # nobody attached yet: owes everything, as readers are expected
+                states.append((0, 0))
+                continue
+            if pid <= 0:  # its reader closed
+                states.append(None)
+                continue
+            known_pid, checked, alive = self._liveness[r]
+            if force or known_pid != pid or now - checked >= LIVENESS_CHECK_S:
+                alive = pid_alive(pid)
+                self._liveness[r] = (pid, now, alive)
+            if not alive and (r, generation) not in self._reported_dead:
+                self._reported_dead.add((r, generation))
+                log.warning("store %r: reader %d (pid %d) died; no longer waiting for it",
+                            self.name, r, pid)
+            states.append((generation, attach_handout) if alive else None)
+        return states
+
+    def _owed(self, entry: _Entry, reader: int, state: tuple[int, int] | None) -> int:
+        """Reads `reader` still owes on `entry`."""
+        if state is None or not entry.handouts:
+            return 0
+        generation, attach_handout = state
+        handed = entry.handouts
+        owed = len(handed) if handed[0] > attach_handout else sum(h > attach_handout for h in handed)
+        if not owed:
+            return 0
+        word = self._words.load_acquire(self._counter_offset(entry.handle.address, reader))
+        reads = word & _COUNT_MASK if word >> 32 == generation else 0
+        return max(0, owed - reads)
+
+    def _owed_by(self, entry: _Entry, states: list[tuple[int, int] | None]) -> list[int]:
+        """Readers that still owe reads of `entry`."""
+        return [r for r, state in enumerate(states) if self._owed(entry, r, state)]
+
+    def _reclaim_one(self, budget: list[int], states: list[tuple[int, int] | None]) -> bool:
         """Free (or, if the policy keeps it, move to the head) the oldest object; False if it
         is still owed to a reader. `budget` holds the copy bytes this put may still spend."""
         ring = self._wring()
@@ -457,7 +520,7 @@ class StoreWriter(ObjectStore):
         if oldest is None:
             return False
         entry = self._by_seq[oldest[1]]
-        if entry.handouts and self._owed_by(entry):
+        if self._owed_by(entry, states):
             return False
         header = ring.header(oldest[0], oldest[1])
         if self._policy.keep(entry, header.chunk_bytes, budget[0]):
@@ -484,7 +547,7 @@ class StoreWriter(ObjectStore):
         self._buf[counters:counters + 8 * self.n_readers] = bytes(8 * self.n_readers)
         del self._by_seq[entry.handle.seq]
         entry.handle = Handle(address, seq, entry.handle.key_digest, self.epoch)
-        entry.handouts = 0
+        entry.handouts = []
         entry.hit = False
         self._by_seq[seq] = entry
         self._reinsertions += 1
@@ -496,12 +559,17 @@ class StoreWriter(ObjectStore):
         pause = _RETRY_SLEEP_S[0]
         counted = False
         budget = [REINSERT_BUDGET_FACTOR * ring.chunk_bytes_for(payload_bytes)]
+        states = self._reader_states(force=False)
         while True:
             while not ring.fits(payload_bytes):
-                if not self._reclaim_one(budget):
+                if not self._reclaim_one(budget, states):
                     break
             else:
                 return ring.allocate(payload_bytes)
+            fresh = self._reader_states(force=True)  # blocked: is the reader we wait for alive?
+            if fresh != states:
+                states = fresh
+                continue
             if not counted:
                 self._full_events += 1
                 counted = True
@@ -518,12 +586,12 @@ class StoreWriter(ObjectStore):
             return StoreFull(f"store {self.name!r} cannot hold {payload_bytes} bytes even when "
                              f"empty (capacity {self.capacity}); create a larger store",
                              payload_bytes, self.capacity)
-        lagging = tuple(self._owed_by(entry))
+        lagging = tuple(self._owed_by(entry, self._reader_states(force=True)))
         waited = f" after waiting {timeout} s" if timeout else ""
         return StoreFull(
             f"store {self.name!r} is full{waited}: {payload_bytes} bytes needed, "
             f"{ring.used_bytes} of {self.capacity} in use, and the oldest object "
-            f"(key {entry.key!r}, handed out {entry.handouts} times) is still owed to "
+            f"(key {entry.key!r}, handed out {len(entry.handouts)} times) is still owed to "
             f"reader(s) {list(lagging)}. Have them read it (or release() its handle), pass a "
             "timeout to put(), or create a larger store",
             payload_bytes, self.capacity, lagging)
@@ -537,6 +605,7 @@ class StoreReader(ObjectStore):
     """One reader of a store: get (owned copy) and view (zero copy). Writes only its own counters."""
 
     reader = -1
+    generation = 0
 
     def __init__(self, ring: ShmRingBuffer, reader: int) -> None:
         super().__init__(ring)
@@ -555,8 +624,16 @@ class StoreReader(ObjectStore):
         self.reader = reader
         self._reader_ring = ring
         self._slot = slot
-        self._reads = self._words.load_acquire(slot + READER_TOTAL_READS)
-        READER_SLOT.pack_into(self._buf, slot, os.getpid(), self._reads, time.time_ns())
+        words = self._words
+        self._reads = words.load_acquire(slot + READER_TOTAL_READS)
+        previous = words.load_acquire(slot + READER_GENERATION)
+        self.generation = previous + 1
+        # The first reader of a slot owes every hand-out; a replacement only later ones.
+        attach_handout = 0 if previous == 0 else words.load_acquire(
+            SEGMENT_HEADER.size + META_HANDOUT_SEQ)
+        READER_SLOT.pack_into(self._buf, slot, 0, self._reads, time.time_ns(), self.generation,
+                              attach_handout)
+        words.store_release(slot, os.getpid())  # last: the writer sees a complete slot
 
     @property
     def reads(self) -> int:
@@ -588,7 +665,9 @@ class StoreReader(ObjectStore):
                               "handle more often than it was handed out, or the store was cleared)")
         counter = self._counter_offset(handle.address, self.reader)
         words = self._words
-        words.store_release(counter, words.load_acquire(counter) + 1)
+        word = words.load_acquire(counter)
+        reads = word & _COUNT_MASK if word >> 32 == self.generation else 0
+        words.store_release(counter, self.generation << 32 | (reads + 1))
         self._reads += 1
         words.store_release(self._slot + READER_TOTAL_READS, self._reads)
 

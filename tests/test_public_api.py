@@ -16,7 +16,7 @@ EXPECTED = {
     "VersionMismatch", "WrongSegmentKind", "decode", "dumps", "encode", "loads",
     "BroadcastQueue", "QueueReader", "QueueWriter", "Channel", "ChannelReader", "ChannelWriter",
     "Closed", "MessageTooLarge", "CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache",
-    "make_cache", "mm_hash",
+    "make_cache", "mm_hash", "WriterGone",
 }
 
 

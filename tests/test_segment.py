@@ -84,18 +84,36 @@ def test_second_create_names_the_live_writer(name: str) -> None:
             Segment.remove_stale(name)
 
 
-def test_stale_segment_of_a_dead_writer_is_reported_and_removable(name: str) -> None:
+def _leave_stale(name: str) -> None:
     code = (
         "from shmstore.segment import Segment, KIND_RING; "
         f"Segment.create({name!r}, kind=KIND_RING, capacity_bytes=4096)"  # exits without unlink
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    with pytest.raises(SegmentExists, match="no longer running") as info:
-        Segment.create(name, kind=KIND_RING, capacity_bytes=4096)
-    assert info.value.writer_alive is False
+
+
+def test_a_new_writer_takes_over_the_segment_of_a_dead_one(
+        name: str, caplog: pytest.LogCaptureFixture) -> None:
+    _leave_stale(name)
+    with Segment.create(name, kind=KIND_RING, capacity_bytes=8192) as seg:
+        assert seg.writer_pid == os.getpid() and seg.capacity_bytes == 8192
+    assert "taking over" in caplog.text
+
+
+def test_stale_segment_can_be_removed(name: str) -> None:
+    _leave_stale(name)
     assert Segment.remove_stale(name) is True
-    with Segment.create(name, kind=KIND_RING, capacity_bytes=4096):
-        pass
+    assert Segment.remove_stale(name) is False
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_a_foreign_object_is_never_taken_over(name: str) -> None:
+    _raw_object(name, b"not ours at all" * 10)
+    try:
+        with pytest.raises(SegmentExists, match="not a complete shmstore segment"):
+            Segment.create(name, kind=KIND_RING, capacity_bytes=4096)
+    finally:
+        posix_ipc.unlink_shared_memory("/" + name)
 
 
 def test_attach_missing_name(name: str) -> None:

@@ -52,8 +52,10 @@ def test_layout_offsets() -> None:
     assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == 64
     raw = OBJECT_HEADER.pack(b"d" * 16, 7)
     assert raw[:16] == b"d" * 16 and int.from_bytes(raw[16:24], "little") == 7
-    raw = READER_SLOT.pack(-1, 5, 6)
-    assert int.from_bytes(raw[8:16], "little") == 5 and int.from_bytes(raw[16:24], "little") == 6
+    raw = READER_SLOT.pack(-1, 5, 6, 7, 8)
+    assert [int.from_bytes(raw[o:o + 8], "little") for o in (8, 16, 24, 32)] == [5, 6, 7, 8]
+    raw = STORE_META.pack(1, 2, 3)
+    assert int.from_bytes(raw[8:12], "little") == 2 and int.from_bytes(raw[16:24], "little") == 3
 
 
 def test_put_get_view_roundtrip_numpy_and_torch(store) -> None:
