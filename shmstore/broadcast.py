@@ -24,7 +24,8 @@ Slot layout (data area; slot i at data_offset + i * (64 + slot_bytes rounded to 
     0       8     seq       u64, the message number held (stored last, with release order)
     8       8     nbytes    u64, serialized size
     16      4     tag       u32, 0 for plain messages (a Channel marks handles with 1)
-    20      44    reserved
+    20      4     crc       u32, CRC-32 of nbytes, tag and the payload
+    24      40    reserved
     64      ...   payload   serde body
 
 Ordering: the writer fills the payload, then stores `seq` with release order; a reader loads
@@ -46,6 +47,7 @@ import logging
 import os
 import struct
 import time
+import zlib
 from types import TracebackType
 from typing import Any
 
@@ -71,8 +73,8 @@ __all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "SLOT_H
 
 QUEUE_META = struct.Struct("<IIQQQ32x")
 QUEUE_READER = struct.Struct("<qQQ40x")
-SLOT_HEADER = struct.Struct("<QQI44x")
-_SLOT_SIZE_TAG = struct.Struct("<QI")  # nbytes and tag, at slot offset 8
+SLOT_HEADER = struct.Struct("<QQII40x")
+_SLOT_FIELDS = struct.Struct("<QII")  # nbytes, tag and crc, at slot offset 8
 assert QUEUE_META.size == QUEUE_READER.size == SLOT_HEADER.size == ALIGN_BYTES
 META_WRITE_SEQ = 8
 META_CLOSED = 16
@@ -370,7 +372,8 @@ class QueueWriter(BroadcastQueue):
         slot = self._slot(seq)
         body = slot + ALIGN_BYTES
         enc.write_into(buf[body:body + enc.nbytes])
-        _SLOT_SIZE_TAG.pack_into(buf, slot + 8, enc.nbytes, tag)
+        crc = zlib.crc32(buf[body:body + enc.nbytes], zlib.crc32(struct.pack("<QI", enc.nbytes, tag)))
+        _SLOT_FIELDS.pack_into(buf, slot + 8, enc.nbytes, tag, crc)
         words = self._words
         words.store_release(slot, seq)  # publish: the payload is complete before this store
         words.exchange(self._meta + META_WRITE_SEQ, seq)  # full barrier before reading flags
@@ -493,11 +496,13 @@ class QueueReader(BroadcastQueue):
                         "the queue")
                 raise CorruptObject(f"slot of message {seq} on queue {self.name!r} holds message "
                                     f"{found}: the queue is corrupt")
-        nbytes, tag = _SLOT_SIZE_TAG.unpack_from(buf, slot + 8)
+        nbytes, tag, crc = _SLOT_FIELDS.unpack_from(buf, slot + 8)
         if nbytes > self.slot_bytes:
             raise CorruptObject(f"message {seq} on queue {self.name!r} claims {nbytes} bytes, "
                                 f"more than its {self.slot_bytes}-byte slot")
         body = slot + ALIGN_BYTES
+        if zlib.crc32(buf[body:body + nbytes], zlib.crc32(struct.pack("<QI", nbytes, tag))) != crc:
+            raise CorruptObject(f"message {seq} on queue {self.name!r} is damaged (CRC mismatch)")
         msg = decode(buf[body:body + nbytes], copy=True)
         if words.load_acquire(slot) != seq:
             raise CorruptObject(f"message {seq} on queue {self.name!r} was overwritten while "

@@ -34,6 +34,7 @@ import math
 import struct
 import sys
 import warnings
+import zlib
 from typing import Any, cast
 
 import msgpack
@@ -42,7 +43,8 @@ import numpy as np
 from .errors import CorruptObject, InvalidHandle
 from .handle import HANDLE_WIRE, Handle
 
-__all__ = ["Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER", "BUFFER_ENTRY"]
+__all__ = ["Encoded", "encode", "decode", "dumps", "loads", "structure_crc", "BODY_HEADER",
+           "BUFFER_ENTRY"]
 
 BODY_HEADER = struct.Struct("<4sIQ")
 BUFFER_ENTRY = struct.Struct("<QQ")
@@ -200,6 +202,11 @@ class Encoded:
         self._prefix = prefix
         self._buffers = buffers  # (offset in body, numpy array or torch tensor)
 
+    @property
+    def structure_crc(self) -> int:
+        """CRC-32 of everything but the raw array bytes (header, buffer table, msgpack)."""
+        return zlib.crc32(self._prefix)
+
     def write_into(self, dst: memoryview) -> None:
         """Write the body into `dst` (at least `nbytes`; 64-byte aligned for aligned arrays)."""
         if len(dst) < self.nbytes:
@@ -334,6 +341,16 @@ class _Decoder:
             raise CorruptObject(f"shape {shape} of {itemsize}-byte items needs {count * itemsize} "
                                 f"bytes, the buffer holds {nbytes}")
         return offset, count
+
+
+def structure_crc(body: memoryview) -> int:
+    """CRC-32 of the body's header, buffer table and msgpack structure, as far as the body holds
+    them (equal to `Encoded.structure_crc` of the object written there, unless damaged)."""
+    if len(body) < BODY_HEADER.size:
+        return zlib.crc32(body)
+    _, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
+    end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers + struct_bytes
+    return zlib.crc32(body[:min(end, len(body))])
 
 
 def decode(body: memoryview, *, copy: bool = True) -> Any:

@@ -38,7 +38,9 @@ Object layout (the payload of one ring chunk)::
     offset  size  field
     0       16    key_digest      blake2b-128 of the key
     16      8     body_bytes      u64, serialized size (serde body)
-    24      40    reserved
+    24      4     structure_crc   u32, CRC-32 of body_bytes and of the body's header, buffer table
+                                  and msgpack structure (everything but raw array bytes)
+    28      36    reserved
     64      8*n   read counters   u64 per reader: generation << 32 | reads by that generation,
                                   each written only by its reader (store-release)
     64+8n   pad   to a cache line
@@ -52,6 +54,7 @@ import logging
 import os
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,13 +78,13 @@ from .errors import (
 from .handle import KEY_DIGEST_BYTES, Handle
 from .ring import RingWriter, ShmRingBuffer
 from .segment import ALIGN_BYTES, SEGMENT_HEADER, align_up, pid_alive
-from .serde import decode, encode
+from .serde import decode, encode, structure_crc
 
 __all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "MAX_READERS", "key_digest"]
 
 STORE_META = struct.Struct("<QI4xQ40x")
 READER_SLOT = struct.Struct("<qQQQQ24x")
-OBJECT_HEADER = struct.Struct("<16sQ40x")
+OBJECT_HEADER = struct.Struct("<16sQI36x")
 assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == ALIGN_BYTES
 META_HANDOUT_SEQ = 16  # byte offset of handout_seq inside the store meta area
 READER_TOTAL_READS = 8  # byte offsets inside a reader slot
@@ -365,7 +368,8 @@ class StoreWriter(ObjectStore):
         self._by_seq[seq] = entry
         start = address + ALIGN_BYTES
         buf = self._buf
-        OBJECT_HEADER.pack_into(buf, start, digest, enc.nbytes)
+        OBJECT_HEADER.pack_into(buf, start, digest, enc.nbytes,
+                                zlib.crc32(enc.nbytes.to_bytes(8, "little"), enc.structure_crc))
         counters = start + OBJECT_HEADER.size
         buf[counters:counters + 8 * self.n_readers] = bytes(8 * self.n_readers)
         body = start + self._obj_header_bytes
@@ -647,7 +651,7 @@ class StoreReader(ObjectStore):
             raise SegmentClosed(f"store {self.name!r} is closed; attach it again to use it")
         header = self._reader_ring.header(handle.address, handle.seq)
         start = handle.address + ALIGN_BYTES
-        digest, body_bytes = OBJECT_HEADER.unpack_from(self._buf, start)
+        digest, body_bytes, crc = OBJECT_HEADER.unpack_from(self._buf, start)
         if digest != handle.key_digest:
             raise StaleHandle(f"handle {handle} does not match the key of the object at its "
                               f"address in store {self.name!r}; it is stale or forged")
@@ -655,6 +659,11 @@ class StoreReader(ObjectStore):
         if body + body_bytes > start + header.payload_bytes:
             raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} claims a "
                                 f"{body_bytes}-byte body, more than its chunk holds")
+        found = zlib.crc32(body_bytes.to_bytes(8, "little"),
+                           structure_crc(self._buf[body:body + body_bytes]))
+        if found != crc:
+            raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} is damaged: its "
+                                f"structure has CRC {found:#010x}, written as {crc:#010x}")
         return handle.address, body, body + body_bytes
 
     def _finish(self, handle: Handle) -> None:

@@ -33,8 +33,8 @@ CTX = mp.get_context("spawn")
 def test_layout_offsets() -> None:
     raw = QUEUE_META.pack(3, 4096, 5, 1, 0)
     assert struct.unpack_from("<IIQQQ", raw) == (3, 4096, 5, 1, 0)
-    raw = SLOT_HEADER.pack(7, 100, 1)
-    assert struct.unpack_from("<QQI", raw) == (7, 100, 1)
+    raw = SLOT_HEADER.pack(7, 100, 1, 9)
+    assert struct.unpack_from("<QQII", raw) == (7, 100, 1, 9)
     assert QUEUE_META.size == QUEUE_READER.size == SLOT_HEADER.size == 64
 
 

@@ -50,8 +50,9 @@ def read_all(readers: list[StoreReader], handle: Handle) -> None:
 
 def test_layout_offsets() -> None:
     assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == 64
-    raw = OBJECT_HEADER.pack(b"d" * 16, 7)
+    raw = OBJECT_HEADER.pack(b"d" * 16, 7, 9)
     assert raw[:16] == b"d" * 16 and int.from_bytes(raw[16:24], "little") == 7
+    assert int.from_bytes(raw[24:28], "little") == 9
     raw = READER_SLOT.pack(-1, 5, 6, 7, 8)
     assert [int.from_bytes(raw[o:o + 8], "little") for o in (8, 16, 24, 32)] == [5, 6, 7, 8]
     raw = STORE_META.pack(1, 2, 3)
