@@ -65,7 +65,15 @@ from .errors import (
     Timeout,
     WriterGone,
 )
-from .segment import ALIGN_BYTES, KIND_QUEUE, SEGMENT_HEADER, Segment, align_up, pid_alive
+from .segment import (
+    ALIGN_BYTES,
+    KIND_QUEUE,
+    SEGMENT_HEADER,
+    Segment,
+    align_up,
+    peek_header,
+    pid_alive,
+)
 from .serde import Encoded, decode, encode
 
 __all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "SLOT_HEADER",
@@ -191,6 +199,10 @@ class BroadcastQueue:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{what} must be an int in [{low}, {high}], got {value!r}")
         stride = ALIGN_BYTES + align_up(slot_bytes)
+        if name is not None:
+            previous = peek_header(name)
+            if previous is not None and previous[0] == KIND_QUEUE and not pid_alive(previous[2]):
+                remove_semaphores(name, previous[1])  # a dead writer's; Segment.create does the rest
         seg = Segment.create(
             name, kind=KIND_QUEUE, capacity_bytes=stride * n_slots,
             meta_bytes=QUEUE_META.size + QUEUE_READER.size * n_readers, n_readers=n_readers,

@@ -496,8 +496,9 @@ def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
         raise _exists_error(name) from None
 
 
-def _peek_writer_pid(name: str) -> int | None:
-    """Read the writer pid of a complete shmstore segment without mapping it, else None."""
+def peek_header(name: str) -> tuple[int, int, int] | None:
+    """(kind, n_readers, writer pid) of a complete shmstore segment, read without mapping it;
+    None if there is none of that name."""
     try:
         shm = posix_ipc.SharedMemory(_posix_name(name))
     except posix_ipc.Error:
@@ -508,4 +509,10 @@ def _peek_writer_pid(name: str) -> int | None:
         shm.close_fd()
     if len(header) < SEGMENT_HEADER.size or header[:8] != MAGIC:
         return None
-    return int(SEGMENT_HEADER.unpack(header)[7])
+    fields = SEGMENT_HEADER.unpack(header)
+    return int(fields[2]), int(fields[3]), int(fields[7])
+
+
+def _peek_writer_pid(name: str) -> int | None:
+    header = peek_header(name)
+    return None if header is None else header[2]

@@ -102,3 +102,94 @@ def channel_reader_main(name: str, reader: int, results: Any, stop_after: int | 
 def _value_ok(value: dict[str, Any]) -> bool:
     data = value["data"]
     return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest() == value["sum"]
+
+
+def sum_checksum(arr: Any) -> int:
+    """Cheap full-coverage checksum: the wrapped sum of the array's 8-byte words."""
+    import numpy as np
+
+    words = np.ascontiguousarray(arr).reshape(-1).view(np.uint64)
+    return int(words.sum(dtype=np.uint64))
+
+
+def crash_reader_main(store_name: str, queue_name: str, reader: int, results: Any,
+                      hang_in_view: bool) -> None:
+    """Read (handle, checksum) messages from a queue and verify each object in the store.
+
+    With hang_in_view, stop inside the first view and wait to be killed.
+    """
+    import time
+
+    from shmstore import BroadcastQueue, Closed, ObjectStore, StaleHandle
+
+    store = ObjectStore.attach(store_name, reader=reader)
+    queue = BroadcastQueue.attach(queue_name, reader=reader)
+    results.put(("attached", reader))
+    received = mismatches = stale = 0
+    try:
+        while True:
+            try:
+                msg = queue.get(timeout=60)
+            except Closed:
+                break
+            packed, expected = msg
+            try:
+                with store.view(Handle.unpack(packed)) as obj:
+                    if hang_in_view:
+                        results.put(("in view", reader))
+                        time.sleep(600)
+                    mismatches += sum_checksum(obj) != expected
+            except StaleHandle:
+                stale += 1
+            received += 1
+        results.put(("done", reader, received, mismatches, stale, None))
+    except Exception as exc:
+        results.put(("done", reader, received, mismatches, stale, f"{type(exc).__name__}: {exc}"))
+    finally:
+        queue.close()
+        store.close()
+
+
+def channel_writer_main(name: str, big: bool, results: Any) -> None:
+    """Send numbered, checksummed values through a channel until killed."""
+    import numpy as np
+
+    from shmstore import Channel
+
+    base = np.random.default_rng(1).integers(0, 2**63, 1 << 20, dtype=np.uint64)  # 8 MiB
+    with Channel.create(name, n_readers=2, capacity=64 << 20, inline_threshold=4096) as ch:
+        results.put(("writer ready", 0))
+        ch.wait_for_readers(timeout=60)
+        i = 0
+        while True:
+            n = (4 << 20) // 8 + i % 1000 if big else 100 + i % 300
+            data = base[i % 1000:i % 1000 + n]
+            ch.send({"i": i, "data": data, "sum": sum_checksum(data)}, timeout=60)
+            i += 1
+
+
+def channel_survivor_main(name: str, reader: int, results: Any) -> None:
+    """Receive until WriterGone; report what was received and when the death was noticed."""
+    import time
+
+    from shmstore import Channel, WriterGone
+
+    ch = Channel.attach(name, reader=reader)
+    results.put(("attached", reader))
+    received = mismatches = out_of_order = 0
+    try:
+        while True:
+            try:
+                value = ch.recv(timeout=60)
+            except WriterGone:
+                results.put(("gone", reader, time.monotonic(), received, mismatches,
+                             out_of_order, None))
+                return
+            out_of_order += value["i"] != received
+            mismatches += sum_checksum(value["data"]) != value["sum"]
+            received += 1
+    except Exception as exc:
+        results.put(("gone", reader, time.monotonic(), received, mismatches, out_of_order,
+                     f"{type(exc).__name__}: {exc}"))
+    finally:
+        ch.close()
