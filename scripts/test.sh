@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/python -m ruff check shmstore tests bench examples
+.venv/bin/python -m ruff check shmstore tests bench examples fuzz
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest "$@"
