@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 
 import numpy as np
@@ -33,6 +34,7 @@ def worker(rank: int, kind: str, cache_name: str, channel: str) -> None:
 
 def main() -> None:
     kind = sys.argv[1] if len(sys.argv) > 1 else "shm-fifo"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind the with-blocks: they unlink
     tag = f"example-{os.getpid()}"
     with make_cache(kind, "sender", capacity_bytes=BUDGET, n_readers=N_WORKERS,
                     name=f"{tag}-cache" if kind != "lru" else None) as cache, \

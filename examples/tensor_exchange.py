@@ -14,6 +14,8 @@ import hashlib
 import multiprocessing as mp
 import os
 import random
+import signal
+import sys
 import time
 
 import numpy as np
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--readers", type=int, default=2)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind the with-block: it unlinks
     ctx = mp.get_context("spawn")
     name = f"shmstore-example-{os.getpid()}"
     rng = random.Random(0)

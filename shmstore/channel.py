@@ -10,6 +10,7 @@ The channel `name` owns two segments, `<name>.store` and `<name>.queue`; the wri
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -35,7 +36,7 @@ class Channel:
 
     @staticmethod
     def create(
-        name: str,
+        name: str | None,
         n_readers: int,
         capacity: int = 256 << 20,
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
@@ -47,10 +48,13 @@ class Channel:
         """Create the store and the queue of a channel; the caller owns both.
 
         Args:
+            name: base name of the two segments (None: a random `shmstore-...`; see `.name`).
             capacity: bytes of the store for values above `inline_threshold`.
             inline_threshold: largest serialized value sent inline in a queue slot.
             n_slots: queue slots; the writer blocks when a reader is this many messages behind.
         """
+        if name is None:
+            name = f"shmstore-{secrets.token_hex(6)}"
         validate_name(name)
         if isinstance(inline_threshold, bool) or not isinstance(inline_threshold, int) or not (
                 0 <= inline_threshold <= 1 << 30):
@@ -63,7 +67,7 @@ class Channel:
         except BaseException:
             store.close()
             raise
-        return ChannelWriter(store, queue, inline_threshold)
+        return ChannelWriter(name, store, queue, inline_threshold)
 
     @staticmethod
     def attach(name: str, reader: int) -> ChannelReader:
@@ -103,7 +107,9 @@ class _Pair:
 class ChannelWriter(_Pair):
     """The single sender. Values above inline_threshold go through the store."""
 
-    def __init__(self, store: StoreWriter, queue: QueueWriter, inline_threshold: int) -> None:
+    def __init__(self, name: str, store: StoreWriter, queue: QueueWriter,
+                 inline_threshold: int) -> None:
+        self.name = name
         self._store = store
         self._queue = queue
         self.inline_threshold = inline_threshold

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,4 +40,24 @@ def test_cache_workers_example(kind: str) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("pixel_values (1, 3, 336, 336)") == 12  # 6 requests x 2 ranks
     assert f"kind='{kind}', requests=6, hits=3" in out.stdout
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_example_cleans_up_on_signals(sig: signal.Signals) -> None:
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "tensor_exchange.py"), "--items", "1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True)  # a signal to its process group, like Ctrl-C in a terminal
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and set(os.listdir("/dev/shm")) <= before:
+        time.sleep(0.1)
+    time.sleep(2)
+    os.killpg(proc.pid, sig)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    time.sleep(0.5)
     assert set(os.listdir("/dev/shm")) <= before
