@@ -43,8 +43,7 @@ import numpy as np
 from .errors import CorruptObject, InvalidHandle
 from .handle import HANDLE_WIRE, Handle
 
-__all__ = ["Encoded", "encode", "decode", "dumps", "loads", "structure_crc", "BODY_HEADER",
-           "BUFFER_ENTRY"]
+__all__ = ["Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER", "BUFFER_ENTRY"]
 
 BODY_HEADER = struct.Struct("<4sIQ")
 BUFFER_ENTRY = struct.Struct("<QQ")
@@ -343,23 +342,16 @@ class _Decoder:
         return offset, count
 
 
-def structure_crc(body: memoryview) -> int:
-    """CRC-32 of the body's header, buffer table and msgpack structure, as far as the body holds
-    them (equal to `Encoded.structure_crc` of the object written there, unless damaged)."""
-    if len(body) < BODY_HEADER.size:
-        return zlib.crc32(body)
-    _, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
-    end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers + struct_bytes
-    return zlib.crc32(body[:min(end, len(body))])
-
-
-def decode(body: memoryview, *, copy: bool = True) -> Any:
+def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = None,
+           crc_suffix: bytes = b"") -> Any:
     """Rebuild an object from its body.
 
     Args:
         body: the encoded bytes, exactly (a memoryview into shared memory for zero copy).
         copy: True returns owned arrays/tensors; False returns views into `body`, valid only while
             the bytes stay unchanged.
+        expected_crc: when given, the CRC-32 of the header, buffer table and msgpack structure
+            (`Encoded.structure_crc`), continued over `crc_suffix`, must equal it.
 
     Raises:
         CorruptObject: any length, offset, dtype or shape that does not fit the body.
@@ -376,6 +368,11 @@ def decode(body: memoryview, *, copy: bool = True) -> Any:
     if struct_end > size:
         raise CorruptObject(f"object header claims {n_buffers} buffers and a {struct_bytes}-byte "
                             f"structure, more than the {size}-byte body")
+    if expected_crc is not None:
+        found = zlib.crc32(crc_suffix, zlib.crc32(body[:struct_end]))
+        if found != expected_crc:
+            raise CorruptObject(f"object structure is damaged: CRC {found:#010x}, written as "
+                                f"{expected_crc:#010x}")
     dec = _Decoder(body, copy)
     low = struct_end
     for i in range(n_buffers):

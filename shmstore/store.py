@@ -78,7 +78,7 @@ from .errors import (
 from .handle import KEY_DIGEST_BYTES, Handle
 from .ring import RingWriter, ShmRingBuffer
 from .segment import ALIGN_BYTES, SEGMENT_HEADER, align_up, pid_alive
-from .serde import decode, encode, structure_crc
+from .serde import decode, encode
 
 __all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "MAX_READERS", "key_digest"]
 
@@ -92,6 +92,7 @@ READER_GENERATION = 24
 READER_ATTACH_HANDOUT = 32
 LIVENESS_CHECK_S = 1.0  # a reader's pid is checked at least this often while it owes reads
 _COUNT_MASK = (1 << 32) - 1
+_U64 = struct.Struct("<Q")
 log = logging.getLogger("shmstore")
 MAX_READERS = 1024  # a reader table of 64 KiB; tensor parallelism stays far below
 POLICY_IDS = {"fifo": 1, "reinsert": 2}
@@ -369,7 +370,7 @@ class StoreWriter(ObjectStore):
         start = address + ALIGN_BYTES
         buf = self._buf
         OBJECT_HEADER.pack_into(buf, start, digest, enc.nbytes,
-                                zlib.crc32(enc.nbytes.to_bytes(8, "little"), enc.structure_crc))
+                                zlib.crc32(_U64.pack(enc.nbytes), enc.structure_crc))
         counters = start + OBJECT_HEADER.size
         buf[counters:counters + 8 * self.n_readers] = bytes(8 * self.n_readers)
         body = start + self._obj_header_bytes
@@ -644,8 +645,8 @@ class StoreReader(ObjectStore):
         """Reads this reader slot has finished, ever."""
         return self._reads
 
-    def _locate(self, handle: Handle) -> tuple[int, int, int]:
-        """Validate `handle` against the chunk it names; return (address, body start, body end)."""
+    def _locate(self, handle: Handle) -> tuple[memoryview, int]:
+        """Validate `handle` against the chunk it names; return its body and structure CRC."""
         self._check_handle(handle)
         if self._buf is None:
             raise SegmentClosed(f"store {self.name!r} is closed; attach it again to use it")
@@ -659,16 +660,11 @@ class StoreReader(ObjectStore):
         if body + body_bytes > start + header.payload_bytes:
             raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} claims a "
                                 f"{body_bytes}-byte body, more than its chunk holds")
-        found = zlib.crc32(body_bytes.to_bytes(8, "little"),
-                           structure_crc(self._buf[body:body + body_bytes]))
-        if found != crc:
-            raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} is damaged: its "
-                                f"structure has CRC {found:#010x}, written as {crc:#010x}")
-        return handle.address, body, body + body_bytes
+        return self._buf[body:body + body_bytes], crc
 
     def _finish(self, handle: Handle) -> None:
         """Check the object was not overwritten while read, then count the read."""
-        if self._reader_ring.current_seq(handle.address) != handle.seq:
+        if _U64.unpack_from(self._buf, handle.address)[0] != handle.seq:  # the chunk's seq
             raise StaleHandle(f"object seq {handle.seq} in store {self.name!r} was overwritten "
                               "while it was read; what was read is not valid (a reader read a "
                               "handle more often than it was handed out, or the store was cleared)")
@@ -687,8 +683,8 @@ class StoreReader(ObjectStore):
             StaleHandle: the object was reclaimed, cleared, or the handle is from another store.
             CorruptObject: the bytes fail validation.
         """
-        _, body, end = self._locate(handle)
-        obj = decode(self._buf[body:end], copy=True)
+        body, crc = self._locate(handle)
+        obj = decode(body, copy=True, expected_crc=crc, crc_suffix=_U64.pack(len(body)))
         self._finish(handle)
         return obj
 
@@ -699,8 +695,8 @@ class StoreReader(ObjectStore):
         The arrays are valid only inside the block: once it exits the writer may reuse the bytes.
         Keep what you need with `.copy()` / `.clone()`, or use get().
         """
-        _, body, end = self._locate(handle)
-        obj = decode(self._buf[body:end], copy=False)
+        body, crc = self._locate(handle)
+        obj = decode(body, copy=False, expected_crc=crc, crc_suffix=_U64.pack(len(body)))
         try:
             yield obj
         except BaseException:
