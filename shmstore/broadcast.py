@@ -48,19 +48,17 @@ import os
 import struct
 import time
 import zlib
-from types import TracebackType
 from typing import Any
 
 import posix_ipc
 
+from ._closeable import Closeable
 from ._ordering import FULL_FENCE
 from .errors import (
     Closed,
     CorruptObject,
     IncompatibleSegment,
     MessageTooLarge,
-    ReaderIndexError,
-    ReaderSlotBusy,
     SegmentClosed,
     Timeout,
     WriterGone,
@@ -71,6 +69,7 @@ from .segment import (
     SEGMENT_HEADER,
     Segment,
     align_up,
+    check_reader_slot,
     peek_header,
     pid_alive,
 )
@@ -153,7 +152,7 @@ class _Doorbell:
                     pass
 
 
-class BroadcastQueue:
+class BroadcastQueue(Closeable):
     """What both sides of a queue share; use `create` (writer) or `attach` (reader)."""
 
     _seg: Segment | None = None
@@ -252,16 +251,6 @@ class BroadcastQueue:
         if self._seg is not None:
             self._seg.close()
 
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.name!r} n_readers={self.n_readers} "
@@ -439,16 +428,9 @@ class QueueReader(BroadcastQueue):
 
     def __init__(self, segment: Segment, reader: int, spin_s: float) -> None:
         super().__init__(segment)
-        if isinstance(reader, bool) or not isinstance(reader, int) or not (
-                0 <= reader < self.n_readers):
-            raise ReaderIndexError(
-                f"reader index {reader!r} is out of range: queue {self.name!r} has "
-                f"{self.n_readers} readers, so use 0..{self.n_readers - 1}")
-        pid = self._reader_pid(reader)
-        if pid not in (0, os.getpid()) and pid_alive(pid):
-            raise ReaderSlotBusy(
-                f"reader slot {reader} of queue {self.name!r} is held by live process {pid}: "
-                "each reader index belongs to one process; pick a free index", reader, pid)
+        what = f"queue {self.name!r}"
+        check_reader_slot(what, reader, self.n_readers, None)
+        check_reader_slot(what, reader, self.n_readers, self._reader_pid(reader))
         self._spin_s = spin_s
         self._bell = _Doorbell(_sem_name(self.name, f"r{reader}"), create=False)
         self._writer_bell = _Doorbell(_sem_name(self.name, "w"), create=False)

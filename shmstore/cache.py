@@ -28,9 +28,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
+from ._closeable import Closeable
 from .errors import CorruptObject, InvalidKey, ObjectTooLarge, StoreFull
 from .serde import encode
 from .store import ObjectStore, StoreReader, StoreWriter
@@ -59,7 +59,7 @@ class CacheStats:
     n_readers: int
 
 
-class SenderCache:
+class SenderCache(Closeable):
     """The frontend side. Only the process that made it may call it."""
 
     kind = ""
@@ -100,19 +100,9 @@ class SenderCache:
     def close(self) -> None:
         """Release what the cache holds; idempotent."""
 
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
-class ReceiverCache:
+class ReceiverCache(Closeable):
     """One worker's side. `resolve` gives an owned value; `resolve_view` may give views."""
 
     kind = ""
@@ -128,16 +118,6 @@ class ReceiverCache:
     def close(self) -> None:
         """Release what the cache holds; idempotent."""
 
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _bad_payload(payload: Any, kind: str) -> CorruptObject:

@@ -13,9 +13,9 @@ import itertools
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import TracebackType
 from typing import Any
 
+from ._closeable import Closeable
 from .broadcast import BroadcastQueue, QueueReader, QueueWriter
 from .errors import CorruptObject
 from .handle import Handle
@@ -81,7 +81,7 @@ class Channel:
         return ChannelReader(store, queue)
 
 
-class _Pair:
+class _Pair(Closeable):
     _store: Any = None
     _queue: Any = None
 
@@ -92,16 +92,6 @@ class _Pair:
         if self._store is not None:
             self._store.close()
 
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class ChannelWriter(_Pair):

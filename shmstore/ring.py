@@ -39,8 +39,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
 
+from ._closeable import Closeable
 from .errors import CorruptObject, SegmentClosed, StaleHandle, StoreFull
 from .segment import ALIGN_BYTES, KIND_RING, SEGMENT_HEADER, Segment, align_up
 
@@ -68,7 +68,7 @@ def _check_word(seq: int, chunk_bytes: int, payload_bytes: int, epoch: int) -> i
     return mixed & _U64_MASK
 
 
-class ShmRingBuffer:
+class ShmRingBuffer(Closeable):
     """A ring buffer attached for reading: `access(address)`.
 
     Use `ShmRingBuffer.create` to make one (a RingWriter) and `ShmRingBuffer.attach` to read one
@@ -203,16 +203,6 @@ class ShmRingBuffer:
         if self._seg is not None:
             self._seg.close()
 
-    def __enter__(self) -> ShmRingBuffer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         if self.closed:

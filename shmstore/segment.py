@@ -36,10 +36,13 @@ from types import TracebackType
 
 import posix_ipc
 
+from ._closeable import Closeable
 from ._ordering import OrderedWords
 from .errors import (
     BadMagic,
     InvalidName,
+    ReaderIndexError,
+    ReaderSlotBusy,
     SegmentClosed,
     SegmentExists,
     SegmentNotFound,
@@ -63,6 +66,7 @@ __all__ = [
     "shm_free_bytes",
     "SegmentInfo",
     "list_segments",
+    "check_reader_slot",
 ]
 
 MAGIC = b"SHMSTORE"
@@ -108,6 +112,23 @@ def shm_free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def check_reader_slot(what: str, reader: object, n_readers: int, holder_pid: int | None) -> int:
+    """Validate a reader index of `what` (e.g. "store 'x'") and that no other live process
+    holds it; return the index. `holder_pid` is None to check the index only.
+
+    Raises:
+        ReaderIndexError, ReaderSlotBusy.
+    """
+    if isinstance(reader, bool) or not isinstance(reader, int) or not 0 <= reader < n_readers:
+        raise ReaderIndexError(f"reader index {reader!r} is out of range: {what} has {n_readers} "
+                               f"readers, so use 0..{n_readers - 1}")
+    if holder_pid not in (None, 0, os.getpid()) and pid_alive(holder_pid):
+        raise ReaderSlotBusy(f"reader slot {reader} of {what} is held by live process "
+                             f"{holder_pid}: each reader index belongs to one process; pick a "
+                             "free index", reader, holder_pid)
+    return reader
+
+
 def validate_name(name: str) -> str:
     """Check a segment name and return it; raise InvalidName saying what is allowed."""
     if not isinstance(name, str):
@@ -124,7 +145,7 @@ def _posix_name(name: str) -> str:
     return "/" + name
 
 
-class Segment:
+class Segment(Closeable):
     """One POSIX shared-memory object mapped into this process.
 
     Create with `Segment.create` (the owner, who alone unlinks) or `Segment.attach` (any process
@@ -384,9 +405,6 @@ class Segment:
             posix_ipc.unlink_shared_memory(_posix_name(self.name))
         except posix_ipc.ExistentialError:
             pass
-
-    def __enter__(self) -> Segment:
-        return self
 
     def __exit__(
         self,

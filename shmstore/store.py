@@ -58,9 +58,9 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
+from ._closeable import Closeable
 from .errors import (
     CorruptObject,
     IncompatibleSegment,
@@ -69,15 +69,13 @@ from .errors import (
     KeyExists,
     KeyNotCached,
     ObjectTooLarge,
-    ReaderIndexError,
-    ReaderSlotBusy,
     SegmentClosed,
     StaleHandle,
     StoreFull,
 )
 from .handle import KEY_DIGEST_BYTES, Handle
 from .ring import RingWriter, ShmRingBuffer
-from .segment import ALIGN_BYTES, SEGMENT_HEADER, align_up, pid_alive
+from .segment import ALIGN_BYTES, SEGMENT_HEADER, align_up, check_reader_slot, pid_alive
 from .serde import decode, encode
 
 __all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "MAX_READERS", "key_digest"]
@@ -176,7 +174,7 @@ class ReinsertPolicy(EvictionPolicy):
 _POLICIES: dict[str, type[EvictionPolicy]] = {"fifo": EvictionPolicy, "reinsert": ReinsertPolicy}
 
 
-class ObjectStore:
+class ObjectStore(Closeable):
     """What the writer and the readers of one store share; use `create` or `attach`."""
 
     _ring: ShmRingBuffer | None = None
@@ -287,6 +285,16 @@ class ObjectStore:
     def _slot_offset(self, reader: int) -> int:
         return self._table_offset + READER_SLOT.size * reader
 
+    def _slot_fields(self, reader: int) -> tuple[int, int, int]:
+        """(pid, generation, attach_handout) of a reader slot, as its reader last wrote them."""
+        slot = self._slot_offset(reader)
+        words = self._words
+        pid = words.load_acquire(slot)  # first: the reader stores it last
+        if pid >= 1 << 63:
+            pid -= 1 << 64
+        return (pid, words.load_acquire(slot + READER_GENERATION),
+                words.load_acquire(slot + READER_ATTACH_HANDOUT))
+
     def _counter_offset(self, address: int, reader: int) -> int:
         return address + ALIGN_BYTES + OBJECT_HEADER.size + 8 * reader
 
@@ -304,16 +312,6 @@ class ObjectStore:
         if self._ring is not None:
             self._ring.close()
 
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"capacity={self.capacity}"
@@ -466,16 +464,6 @@ class StoreWriter(ObjectStore):
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def _slot_fields(self, reader: int) -> tuple[int, int, int]:
-        """(pid, generation, attach_handout) of a reader slot, as its reader last wrote them."""
-        slot = self._slot_offset(reader)
-        words = self._words
-        pid = words.load_acquire(slot)  # first: the reader stores it last
-        if pid >= 1 << 63:
-            pid -= 1 << 64
-        return (pid, words.load_acquire(slot + READER_GENERATION),
-                words.load_acquire(slot + READER_ATTACH_HANDOUT))
-
     def _reader_states(self, force: bool) -> list[tuple[int, int] | None]:
         """Per reader: (generation, attach_handout) while it owes reads, None when it owes
         nothing (it died or left). Pids are checked when `force` or once a LIVENESS_CHECK_S."""
@@ -614,18 +602,11 @@ class StoreReader(ObjectStore):
 
     def __init__(self, ring: ShmRingBuffer, reader: int) -> None:
         super().__init__(ring)
-        if isinstance(reader, bool) or not isinstance(reader, int) or not (
-                0 <= reader < self.n_readers):
-            raise ReaderIndexError(
-                f"reader index {reader!r} is out of range: store {self.name!r} has "
-                f"{self.n_readers} readers, so use 0..{self.n_readers - 1}")
+        what = f"store {self.name!r}"
+        check_reader_slot(what, reader, self.n_readers, None)
         self.max_object_size = self._read_meta()[0]
+        check_reader_slot(what, reader, self.n_readers, self._slot_fields(reader)[0])
         slot = self._slot_offset(reader)
-        pid = int.from_bytes(self._buf[slot:slot + 8], "little", signed=True)
-        if pid not in (0, os.getpid()) and pid_alive(pid):
-            raise ReaderSlotBusy(
-                f"reader slot {reader} of store {self.name!r} is held by live process {pid}: "
-                "each reader index belongs to one process; pick a free index", reader, pid)
         self.reader = reader
         self._reader_ring = ring
         self._slot = slot
