@@ -97,6 +97,11 @@ PID_CHECK_S = 0.2  # how often a waiting side checks that the process it waits f
 log = logging.getLogger("shmstore")
 
 
+def _message_crc(payload: memoryview, tag: int) -> int:
+    """CRC-32 of a slot's size, tag and payload."""
+    return zlib.crc32(payload, zlib.crc32(struct.pack("<QI", len(payload), tag)))
+
+
 def _sem_name(name: str, who: str) -> str:
     return f"/{name}.{who}"
 
@@ -373,8 +378,8 @@ class QueueWriter(BroadcastQueue):
         slot = self._slot(seq)
         body = slot + ALIGN_BYTES
         enc.write_into(buf[body:body + enc.nbytes])
-        crc = zlib.crc32(buf[body:body + enc.nbytes], zlib.crc32(struct.pack("<QI", enc.nbytes, tag)))
-        _SLOT_FIELDS.pack_into(buf, slot + 8, enc.nbytes, tag, crc)
+        _SLOT_FIELDS.pack_into(buf, slot + 8, enc.nbytes, tag,
+                               _message_crc(buf[body:body + enc.nbytes], tag))
         words = self._words
         words.store_release(slot, seq)  # publish: the payload is complete before this store
         words.exchange(self._meta + META_WRITE_SEQ, seq)  # full barrier before reading flags
@@ -495,7 +500,7 @@ class QueueReader(BroadcastQueue):
             raise CorruptObject(f"message {seq} on queue {self.name!r} claims {nbytes} bytes, "
                                 f"more than its {self.slot_bytes}-byte slot")
         body = slot + ALIGN_BYTES
-        if zlib.crc32(buf[body:body + nbytes], zlib.crc32(struct.pack("<QI", nbytes, tag))) != crc:
+        if _message_crc(buf[body:body + nbytes], tag) != crc:
             raise CorruptObject(f"message {seq} on queue {self.name!r} is damaged (CRC mismatch)")
         msg = decode(buf[body:body + nbytes], copy=True)
         if words.load_acquire(slot) != seq:

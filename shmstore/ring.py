@@ -229,10 +229,6 @@ class RingWriter(ShmRingBuffer):
         """Bytes held by live chunks, headers included."""
         return self._used_bytes
 
-    @property
-    def next_seq(self) -> int:
-        return self._next_seq
-
     def __len__(self) -> int:
         return len(self._chunks)
 

@@ -56,7 +56,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,7 +269,7 @@ class ObjectStore(Closeable):
             raise SegmentClosed(f"store {self.name!r} is closed; attach it again to use it")
         return self._ring
 
-    def _read_meta(self) -> tuple[int, int]:
+    def _read_max_object_size(self) -> int:
         meta = self.ring.meta
         if len(meta) < STORE_META.size + READER_SLOT.size * self.n_readers:
             raise IncompatibleSegment(
@@ -280,7 +280,7 @@ class ObjectStore(Closeable):
             raise IncompatibleSegment(
                 f"store {self.name!r} has policy id {policy_id} and max_object_size "
                 f"{max_object_size}: the segment is corrupt or from another version", self.name)
-        return max_object_size, policy_id
+        return int(max_object_size)
 
     def _slot_offset(self, reader: int) -> int:
         return self._table_offset + READER_SLOT.size * reader
@@ -327,7 +327,7 @@ class StoreWriter(ObjectStore):
         self.policy = policy
         self._policy = _POLICIES[policy]()
         self._reinsertions = self._bytes_reinserted = 0
-        self.max_object_size = self._read_meta()[0]
+        self.max_object_size = self._read_max_object_size()
         self._index: dict[str | bytes, _Entry] = {}
         self._by_seq: dict[int, _Entry] = {}
         self._puts = self._hits = self._evictions = self._releases = self._full_events = 0
@@ -604,7 +604,7 @@ class StoreReader(ObjectStore):
         super().__init__(ring)
         what = f"store {self.name!r}"
         check_reader_slot(what, reader, self.n_readers, None)
-        self.max_object_size = self._read_meta()[0]
+        self.max_object_size = self._read_max_object_size()
         check_reader_slot(what, reader, self.n_readers, self._slot_fields(reader)[0])
         slot = self._slot_offset(reader)
         self.reader = reader
@@ -682,8 +682,8 @@ class StoreReader(ObjectStore):
             yield obj
         except BaseException:
             del obj
-            if self.ring.current_seq(handle.address) == handle.seq:
-                self._finish(handle)  # the block failed, but this reader is done with the object
+            with suppress(StaleHandle):  # the block failed, but this reader is done with it
+                self._finish(handle)
             raise
         del obj
         self._finish(handle)
