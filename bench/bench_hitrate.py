@@ -35,10 +35,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import TraceSpec, make_trace, working_set_bytes
 
-from shmstore.cache import make_cache
-from shmstore.segment import ALIGN_BYTES, align_up
+from shmstore.cache import ReceiverCache, SenderCache
+from shmstore.segment import align_up
 from shmstore.serde import encode
-from shmstore.store import OBJECT_HEADER
+from shmstore.store import ObjectStore
 
 PERCENTS = (1, 5, 10, 25)
 ALPHAS = (0.6, 0.8, 1.0, 1.2)
@@ -53,10 +53,10 @@ def scaled_sizes(trace: list[tuple[str, int]], scale: int) -> dict[int, int]:
 
 def run_real(kind: str, trace: list[tuple[str, int]], capacity: int, scale: int) -> dict[str, Any]:
     name = f"shmstore-bench-hr-{os.getpid()}"
-    sender = make_cache(kind, "sender", capacity_bytes=capacity, n_readers=N_READERS,
-                        name=None if kind == "lru" else name)
-    receivers = [make_cache(kind, "receiver", capacity_bytes=capacity, reader=r,
-                            name=getattr(sender, "name", None)) for r in range(N_READERS)]
+    sender = SenderCache.create(kind, capacity_bytes=capacity, n_readers=N_READERS,
+                                name=None if kind == "lru" else name)
+    receivers = [ReceiverCache.attach(kind, capacity_bytes=capacity, reader=r,
+                                      name=getattr(sender, "name", None)) for r in range(N_READERS)]
     pool = np.zeros(max(s for _, s in trace) // scale + 1, dtype=np.uint8)
     try:
         for key, size in trace:
@@ -90,8 +90,7 @@ def run_libcachesim(algo: str, trace: list[tuple[str, int]], capacity: int,
 
 def chunk_bytes(body_bytes: int) -> int:
     """Ring bytes one shm cache object takes: chunk header, object header, counters, body."""
-    object_header = OBJECT_HEADER.size + align_up(8 * N_READERS)
-    return ALIGN_BYTES + align_up(object_header + body_bytes)
+    return ObjectStore.ring_bytes_for(body_bytes, N_READERS)
 
 
 def main() -> None:

@@ -98,7 +98,7 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
     senders: list[Any] = []
     writer: Any = None
     if method == "shmstore":
-        writer = Channel.create(name, n_readers=n_readers, capacity=max(64 * MIB, 8 * size),
+        writer = Channel.create(name, n_readers=n_readers, capacity_bytes=max(64 * MIB, 8 * size),
                                 inline_threshold=4 * KIB, n_slots=64)
         inboxes = [None] * n_readers
     elif method == "pipe":

@@ -60,14 +60,14 @@ def bench_size(size: int, repeats: int, tag: str) -> dict[str, float]:
     name = f"shmstore-bench-{tag}-{os.getpid()}"
 
     # put on a warm ring with no readers: every object is reclaimable at once
-    with ObjectStore.create(name, capacity=capacity, n_readers=0) as store:
+    with ObjectStore.create(name, capacity_bytes=capacity, n_readers=0) as store:
         counter = iter(range(10**9))
         for _ in range(capacity // size + 1):  # touch the whole ring once
             store.put(f"w{next(counter)}", {"pixel_values": src})
         put_s = median_time(lambda: store.put(f"k{next(counter)}", {"pixel_values": src}), repeats)
 
     # put on a cold ring: the first pass over pages never touched
-    with ObjectStore.create(name, capacity=capacity, n_readers=0, prefault=False) as store:
+    with ObjectStore.create(name, capacity_bytes=capacity, n_readers=0, prefault=False) as store:
         n_cold = max(1, min(repeats, capacity // size - 1))
         cold = []
         for i in range(n_cold):
@@ -77,7 +77,7 @@ def bench_size(size: int, repeats: int, tag: str) -> dict[str, float]:
         cold_put_s = statistics.median(cold)
 
     # get and view by a reader
-    with ObjectStore.create(name, capacity=capacity, n_readers=1) as store:
+    with ObjectStore.create(name, capacity_bytes=capacity, n_readers=1) as store:
         reader = ObjectStore.attach(name, reader=0)
         try:
             handle = store.put("x", {"pixel_values": src})

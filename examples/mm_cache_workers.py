@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from shmstore import Channel, Closed
-from shmstore.cache import make_cache
+from shmstore.cache import ReceiverCache, SenderCache
 from shmstore.hashing import mm_hash
 
 N_WORKERS, BUDGET = 2, 64 << 20
@@ -20,7 +20,7 @@ def preprocess(image: bytes) -> dict:  # stands in for a HF image processor
 
 
 def worker(rank: int, kind: str, cache_name: str, channel: str) -> None:
-    with make_cache(kind, "receiver", capacity_bytes=BUDGET, name=cache_name, reader=rank) as cache, \
+    with ReceiverCache.attach(kind, capacity_bytes=BUDGET, name=cache_name, reader=rank) as cache, \
          Channel.attach(channel, reader=rank) as requests:
         while True:
             try:
@@ -36,7 +36,7 @@ def main() -> None:
     kind = sys.argv[1] if len(sys.argv) > 1 else "shm-fifo"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind the with-blocks: they unlink
     tag = f"example-{os.getpid()}"
-    with make_cache(kind, "sender", capacity_bytes=BUDGET, n_readers=N_WORKERS,
+    with SenderCache.create(kind, capacity_bytes=BUDGET, n_readers=N_WORKERS,
                     name=f"{tag}-cache" if kind != "lru" else None) as cache, \
          Channel.create(f"{tag}-requests", n_readers=N_WORKERS) as requests:
         ctx = mp.get_context("spawn")
@@ -50,7 +50,7 @@ def main() -> None:
             key = mm_hash(image, model="llava-1.5-7b", size=336)
             payload = cache.process(key, lambda image=image: preprocess(image))
             requests.send({"id": i, "mm_payload": payload})
-        requests.queue.close()
+        requests.end()
         for w in workers:
             w.join(timeout=60)
         print(cache.stats())

@@ -48,8 +48,10 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     name = f"shmstore-example-{os.getpid()}"
     rng = random.Random(0)
-    with ObjectStore.create(name, capacity=256 << 20, n_readers=args.readers) as store:
+    with ObjectStore.create(name, capacity_bytes=256 << 20, n_readers=args.readers) as store:
         inboxes = [ctx.Queue() for _ in range(args.readers)]
+        for inbox in inboxes:  # on Ctrl-C, exit without waiting to flush handles nobody reads
+            inbox.cancel_join_thread()
         results = ctx.Queue()
         procs = [ctx.Process(target=reader, args=(name, i, inboxes[i], results))
                  for i in range(args.readers)]

@@ -1,23 +1,24 @@
 """shmstore: preprocessed multimodal tensors in one shared-memory ring, read in place by N workers.
 
-The core import stays light (numpy, msgpack, posix_ipc); torch is imported only when a tensor
-is met.
+The core import stays light (numpy, msgpack, posix_ipc, blake3); torch is imported only when a
+tensor is met. Layers below this surface (segment, ring, serde internals) stay importable from
+their modules.
 """
 
 from .broadcast import BroadcastQueue, QueueReader, QueueWriter
-from .cache import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache, make_cache
+from .cache import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache
 from .channel import Channel, ChannelReader, ChannelWriter
 from .errors import (
-    BadMagic,
     Closed,
     CorruptObject,
     IncompatibleSegment,
+    InvalidArgument,
     InvalidHandle,
     InvalidKey,
-    InvalidName,
     KeyExists,
     KeyNotCached,
     MessageTooLarge,
+    NotSerializable,
     ObjectTooLarge,
     ReaderIndexError,
     ReaderSlotBusy,
@@ -25,74 +26,66 @@ from .errors import (
     SegmentExists,
     SegmentNotFound,
     SegmentPermissionError,
-    SegmentTooSmall,
     ShmSpaceError,
     ShmStoreError,
     StaleHandle,
     StoreFull,
     Timeout,
-    VersionMismatch,
     WriterGone,
-    WrongSegmentKind,
+    WrongProcess,
 )
 from .handle import Handle
 from .hashing import mm_hash
-from .ring import RingWriter, ShmRingBuffer
-from .segment import Segment
-from .serde import decode, dumps, encode, loads
+from .serde import dumps, loads
 from .store import ObjectStore, StoreReader, StoreStats, StoreWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "CACHE_KINDS",
-    "BadMagic",
-    "BroadcastQueue",
-    "CacheStats",
-    "Channel",
-    "ChannelReader",
-    "ChannelWriter",
-    "Closed",
-    "CorruptObject",
-    "Handle",
-    "IncompatibleSegment",
-    "InvalidHandle",
-    "InvalidKey",
-    "InvalidName",
-    "KeyExists",
-    "KeyNotCached",
-    "MessageTooLarge",
+    # stores, queues, channels
     "ObjectStore",
-    "ObjectTooLarge",
-    "QueueReader",
-    "QueueWriter",
-    "ReaderIndexError",
-    "ReceiverCache",
-    "ReaderSlotBusy",
-    "RingWriter",
-    "Segment",
-    "SegmentClosed",
-    "SegmentExists",
-    "SegmentNotFound",
-    "SegmentPermissionError",
-    "SegmentTooSmall",
-    "SenderCache",
-    "ShmRingBuffer",
-    "ShmSpaceError",
-    "ShmStoreError",
-    "StaleHandle",
-    "StoreFull",
+    "StoreWriter",
     "StoreReader",
     "StoreStats",
-    "StoreWriter",
-    "Timeout",
-    "VersionMismatch",
-    "WriterGone",
-    "WrongSegmentKind",
-    "decode",
-    "dumps",
-    "encode",
-    "loads",
-    "make_cache",
+    "Handle",
+    "BroadcastQueue",
+    "QueueWriter",
+    "QueueReader",
+    "Channel",
+    "ChannelWriter",
+    "ChannelReader",
+    # caches
+    "CACHE_KINDS",
+    "SenderCache",
+    "ReceiverCache",
+    "CacheStats",
     "mm_hash",
+    # bytes
+    "dumps",
+    "loads",
+    # errors (subclasses such as BadMagic live in shmstore.errors)
+    "ShmStoreError",
+    "InvalidArgument",
+    "SegmentNotFound",
+    "SegmentExists",
+    "SegmentPermissionError",
+    "IncompatibleSegment",
+    "ShmSpaceError",
+    "SegmentClosed",
+    "WrongProcess",
+    "StoreFull",
+    "ObjectTooLarge",
+    "NotSerializable",
+    "KeyExists",
+    "KeyNotCached",
+    "InvalidKey",
+    "StaleHandle",
+    "InvalidHandle",
+    "CorruptObject",
+    "ReaderIndexError",
+    "ReaderSlotBusy",
+    "Timeout",
+    "Closed",
+    "MessageTooLarge",
+    "WriterGone",
 ]

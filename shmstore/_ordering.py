@@ -57,12 +57,17 @@ _libatomic: ctypes.CDLL | None = None
 _atomic_load: Any = None  # __atomic_load_8(ptr, order); a module-level name: no class mangling
 _atomic_store: Any = None  # __atomic_store_8(ptr, value, order)
 _atomic_exchange: Any = None  # __atomic_exchange_8(ptr, value, order) -> old
+_atomic_cas: Any = None  # __atomic_compare_exchange_8(ptr, expected_ptr, desired, succ, fail)
 _path = ctypes.util.find_library("atomic")
 if _path is not None:
     _libatomic = ctypes.CDLL(_path)
     _atomic_exchange = _libatomic["__atomic_exchange_8"]
     _atomic_exchange.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     _atomic_exchange.restype = ctypes.c_uint64
+    _atomic_cas = _libatomic["__atomic_compare_exchange_8"]
+    _atomic_cas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,
+                            ctypes.c_int]
+    _atomic_cas.restype = ctypes.c_bool
 if ORDERING == "libatomic":
     if _libatomic is None:
         raise ImportError(
@@ -119,6 +124,20 @@ class OrderedWords:
         old = int(self._words[offset >> 3])  # type: ignore[index]
         self._words[offset >> 3] = value  # type: ignore[index]
         return old
+
+    def compare_exchange(self, offset: int, expected: int, value: int) -> bool:
+        """Store `value` at byte `offset` if it holds `expected` (seq_cst); say whether it did.
+
+        Without libatomic this is a plain compare then store (not atomic; see FULL_FENCE).
+        """
+        if _atomic_cas is not None:
+            slot = ctypes.c_uint64(expected)
+            return bool(_atomic_cas(self._base_address + offset, ctypes.byref(slot), value,
+                                    _ATOMIC_SEQ_CST, _ATOMIC_SEQ_CST))
+        if int(self._words[offset >> 3]) != expected:  # type: ignore[index]
+            return False
+        self._words[offset >> 3] = value  # type: ignore[index]
+        return True
 
     def release(self) -> None:
         """Drop the exports of the mapping so that it can be closed."""

@@ -18,8 +18,10 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   in an LRU of the same budget, fed by the misses, so the mirrors stay in step.
                   Memory: n_readers copies of the budget.
 
-Payloads are tuples that shmstore's serializer and queue carry: ("h", Handle), ("v", value),
-("k", key) and ("p", key, nbytes, value).
+Make the sender with `SenderCache.create(kind, ...)` and each receiver with
+`ReceiverCache.attach(kind, ...)`. Payloads are tuples that shmstore's serializer and queue carry,
+led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle), (PAYLOAD_VALUE, value), (PAYLOAD_KEY, key) and
+(PAYLOAD_PUT, key, nbytes, value).
 """
 
 from __future__ import annotations
@@ -31,13 +33,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._closeable import Closeable
-from .errors import CorruptObject, InvalidKey, ObjectTooLarge, StoreFull
+from ._proc import int_arg
+from .errors import CorruptObject, InvalidArgument, ObjectTooLarge, StoreFull
+from .handle import check_key
+from .segment import MAX_CAPACITY_BYTES
 from .serde import encode
 from .store import ObjectStore, StoreReader, StoreWriter
 
-__all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "make_cache"]
+__all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
+           "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]
 
 CACHE_KINDS = ("shm-fifo", "shm-reinsert", "lru")
+PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
+PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
+PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
+PAYLOAD_PUT = 4  # (PAYLOAD_PUT, key, nbytes, value): lru miss, the mirror inserts it
+
+
+def _check_kind(kind: Any) -> str:
+    if kind not in CACHE_KINDS:
+        raise InvalidArgument(f"unknown cache kind {kind!r}; choose one of {CACHE_KINDS}",
+                              "kind", kind)
+    return str(kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +81,23 @@ class SenderCache(Closeable):
 
     kind = ""
 
+    @staticmethod
+    def create(kind: str, *, capacity_bytes: int, n_readers: int = 1, name: str | None = None,
+               max_object_bytes: int | None = None) -> SenderCache:
+        """Make the sender of a cache of `kind` ("shm-fifo", "shm-reinsert" or "lru").
+
+        Args:
+            capacity_bytes: the byte budget (every lru receiver needs the same value).
+            n_readers: workers that receive every payload.
+            name: the shared segment of shm kinds (None: a random name; see `.name`).
+            max_object_bytes: largest value the shm store holds; larger ones go inline.
+        """
+        if _check_kind(kind) == "lru":
+            return LruSenderCache(capacity_bytes, n_readers)
+        return ShmSenderCache(kind, name, capacity_bytes, n_readers, max_object_bytes)
+
     def __init__(self, capacity_bytes: int, n_readers: int) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be an int > 0, got {capacity_bytes!r}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = int_arg(capacity_bytes, "capacity_bytes", 1, MAX_CAPACITY_BYTES)
         self.n_readers = n_readers
         self._requests = self._hits = self._bytes_requested = self._bytes_hit = 0
         self._fallbacks = 0
@@ -107,6 +137,22 @@ class ReceiverCache(Closeable):
 
     kind = ""
 
+    @staticmethod
+    def attach(kind: str, *, capacity_bytes: int, name: str | None = None,
+               reader: int = 0) -> ReceiverCache:
+        """Make worker `reader`'s side of a cache of `kind`.
+
+        Args:
+            capacity_bytes: the sender's budget (the lru mirror must match it).
+            name: the sender's `.name` (shm kinds).
+        """
+        if _check_kind(kind) == "lru":
+            return LruReceiverCache(capacity_bytes)
+        if name is None:
+            raise InvalidArgument("a shm receiver needs the store's name (the sender's .name)",
+                                  "name", name)
+        return ShmReceiverCache(kind, name, reader)
+
     def resolve(self, payload: Any) -> Any:
         raise NotImplementedError
 
@@ -131,11 +177,11 @@ class ShmSenderCache(SenderCache):
     """shm-fifo / shm-reinsert sender: the ObjectStore writer."""
 
     def __init__(self, kind: str, name: str | None, capacity_bytes: int, n_readers: int,
-                 max_object_size: int | None) -> None:
+                 max_object_bytes: int | None) -> None:
         super().__init__(capacity_bytes, n_readers)
         self.kind = kind
         self.store: StoreWriter = ObjectStore.create(
-            name, capacity_bytes, n_readers, max_object_size,
+            name, capacity_bytes, n_readers, max_object_bytes,
             policy="fifo" if kind == "shm-fifo" else "reinsert")
         self.name = self.store.name
 
@@ -143,20 +189,19 @@ class ShmSenderCache(SenderCache):
         store = self.store
         if store.is_cached(key):
             self._count(store.object_bytes(key), hit=True)
-            return ("h", store.get_cached(key))
+            return (PAYLOAD_HANDLE, store.get_cached(key))
         value = make_value()
+        enc = encode(value)
+        self._count(enc.nbytes, hit=False)
         try:
-            handle = store.put(key, value, timeout=0)
+            return (PAYLOAD_HANDLE, store.put_encoded(key, enc, timeout=0))
         except (ObjectTooLarge, StoreFull):
             self._fallbacks += 1
-            self._count(encode(value).nbytes, hit=False)
-            return ("v", value)
-        self._count(store.object_bytes(key), hit=False)
-        return ("h", handle)
+            return (PAYLOAD_VALUE, value)
 
     def stats(self) -> CacheStats:
         s = self.store.stats()
-        return self._stats(s.evictions, s.bytes_reinserted, self.store.ring.segment.total_bytes)
+        return self._stats(s.evictions, s.bytes_reinserted, self.store.segment_bytes)
 
     def close(self) -> None:
         self.store.close()
@@ -171,15 +216,15 @@ class ShmReceiverCache(ReceiverCache):
 
     def resolve(self, payload: Any) -> Any:
         tag = payload[0] if type(payload) is tuple and payload else None
-        if tag == "h" and len(payload) == 2:
+        if tag == PAYLOAD_HANDLE and len(payload) == 2:
             return self.store.get(payload[1])
-        if tag == "v" and len(payload) == 2:
+        if tag == PAYLOAD_VALUE and len(payload) == 2:
             return payload[1]
         raise _bad_payload(payload, self.kind)
 
     @contextmanager
     def resolve_view(self, payload: Any) -> Iterator[Any]:
-        if type(payload) is tuple and len(payload) == 2 and payload[0] == "h":
+        if type(payload) is tuple and len(payload) == 2 and payload[0] == PAYLOAD_HANDLE:
             with self.store.view(payload[1]) as value:
                 yield value
         else:
@@ -226,20 +271,19 @@ class LruSenderCache(SenderCache):
         self._lru = _LruBytes(capacity_bytes)
 
     def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
-        if type(key) not in (str, bytes):
-            raise InvalidKey(f"keys are str or bytes, got {type(key).__name__}")
+        check_key(key)
         entry = self._lru.touch(key)
         if entry is not None:
             self._count(entry[0], hit=True)
-            return ("k", key)
+            return (PAYLOAD_KEY, key)
         value = make_value()
-        nbytes = encode(value).nbytes
+        nbytes = encode(value).nbytes  # the size decides eviction in every mirror alike
         self._count(nbytes, hit=False)
         if nbytes > self.capacity_bytes:
             self._fallbacks += 1
-            return ("v", value)
+            return (PAYLOAD_VALUE, value)
         self._lru.insert(key, nbytes, None)
-        return ("p", key, nbytes, value)
+        return (PAYLOAD_PUT, key, nbytes, value)
 
     def stats(self) -> CacheStats:
         return self._stats(self._lru.evictions, 0, self.n_readers * self._lru.used_bytes)
@@ -255,7 +299,7 @@ class LruReceiverCache(ReceiverCache):
 
     def resolve(self, payload: Any) -> Any:
         tag = payload[0] if type(payload) is tuple and payload else None
-        if tag == "k" and len(payload) == 2:
+        if tag == PAYLOAD_KEY and len(payload) == 2:
             entry = self._lru.touch(payload[1])
             if entry is None:
                 raise CorruptObject(
@@ -263,54 +307,14 @@ class LruReceiverCache(ReceiverCache):
                     "payload or has another capacity than the sender; give every receiver the "
                     "sender's capacity_bytes and every payload, in order")
             return entry[1]
-        if tag == "p" and len(payload) == 4 and type(payload[2]) is int:
+        if tag == PAYLOAD_PUT and len(payload) == 4 and type(payload[2]) is int:
             _, key, nbytes, value = payload
             self._lru.insert(key, nbytes, value)
             return value
-        if tag == "v" and len(payload) == 2:
+        if tag == PAYLOAD_VALUE and len(payload) == 2:
             return payload[1]
         raise _bad_payload(payload, self.kind)
 
     @property
     def used_bytes(self) -> int:
         return self._lru.used_bytes
-
-
-# -- factory ------------------------------------------------------------------------------------
-
-def make_cache(
-    kind: str,
-    side: str,
-    *,
-    capacity_bytes: int,
-    n_readers: int = 1,
-    name: str | None = None,
-    reader: int = 0,
-    max_object_size: int | None = None,
-) -> Any:
-    """Make one side of a cache of `kind` ("shm-fifo", "shm-reinsert" or "lru").
-
-    Args:
-        side: "sender" (one, in the frontend) or "receiver" (one per worker).
-        capacity_bytes: the byte budget (every lru receiver needs the sender's value).
-        n_readers: workers (sender side).
-        name: the shared segment (shm kinds; the sender may leave it None and pass its `.name`).
-        reader: this worker's index (shm receivers).
-        max_object_size: largest value the shm store holds; larger ones go inline.
-
-    Returns:
-        A SenderCache or a ReceiverCache.
-    """
-    if kind not in CACHE_KINDS:
-        raise ValueError(f"unknown cache kind {kind!r}; choose one of {CACHE_KINDS}")
-    if side == "sender":
-        if kind == "lru":
-            return LruSenderCache(capacity_bytes, n_readers)
-        return ShmSenderCache(kind, name, capacity_bytes, n_readers, max_object_size)
-    if side == "receiver":
-        if kind == "lru":
-            return LruReceiverCache(capacity_bytes)
-        if name is None:
-            raise ValueError("a shm receiver needs the store's name (the sender's .name)")
-        return ShmReceiverCache(kind, name, reader)
-    raise ValueError(f"side must be 'sender' or 'receiver', got {side!r}")

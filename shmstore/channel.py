@@ -5,6 +5,14 @@ sending only their Handle; `reader.recv()` gives the same value back either way.
 that is already cached, `send` hands the stored object out again instead of copying it.
 
 The channel `name` owns two segments, `<name>.store` and `<name>.queue`; the writer unlinks both.
+
+Joining: a reader attaches the queue first (from then on every message is kept for it), then
+the store owing only hand-outs after number J (`StoreReader.joined_handout`). Each handle message
+carries its hand-out number; a reader skips handle messages numbered J or lower (sent while it
+was attaching, and not owed to it), so its store and queue memberships start at the same point:
+it is never owed an object it will not receive, nor given one that may be reclaimed under it.
+`wait_for_readers()` returns only after both attaches completed, so every message sent after it
+reaches every reader.
 """
 
 from __future__ import annotations
@@ -12,21 +20,23 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from ._closeable import Closeable
+from ._proc import int_arg
+from ._wait import Deadline
 from .broadcast import BroadcastQueue, QueueReader, QueueWriter
-from .errors import CorruptObject
+from .errors import CorruptObject, ShmStoreError
 from .handle import Handle
 from .segment import validate_name
 from .serde import encode
 from .store import ObjectStore, StoreReader, StoreWriter
 
-__all__ = ["Channel", "ChannelWriter", "ChannelReader"]
+__all__ = ["Channel", "ChannelWriter", "ChannelReader", "TAG_INLINE", "TAG_HANDLE"]
 
-TAG_INLINE = 0
-TAG_HANDLE = 1
+TAG_INLINE = 0  # queue tag of a value sent inline
+TAG_HANDLE = 1  # queue tag of (Handle, hand-out number)
 DEFAULT_INLINE_THRESHOLD = 64 << 10  # above this a value is stored and only its Handle is sent
 HANDLE_MESSAGE_BYTES = 256  # a Handle message with room to spare
 
@@ -38,28 +48,28 @@ class Channel:
     def create(
         name: str | None,
         n_readers: int,
-        capacity: int = 256 << 20,
+        capacity_bytes: int = 256 << 20,
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         *,
         n_slots: int = 64,
-        max_object_size: int | None = None,
+        max_object_bytes: int | None = None,
+        policy: str = "fifo",
         mode: int = 0o600,
     ) -> ChannelWriter:
         """Create the store and the queue of a channel; the caller owns both.
 
         Args:
             name: base name of the two segments (None: a random `shmstore-...`; see `.name`).
-            capacity: bytes of the store for values above `inline_threshold`.
+            capacity_bytes: bytes of the store for values above `inline_threshold`.
             inline_threshold: largest serialized value sent inline in a queue slot.
             n_slots: queue slots; the writer blocks when a reader is this many messages behind.
         """
         if name is None:
             name = f"shmstore-{secrets.token_hex(6)}"
         validate_name(name)
-        if isinstance(inline_threshold, bool) or not isinstance(inline_threshold, int) or not (
-                0 <= inline_threshold <= 1 << 30):
-            raise ValueError(f"inline_threshold must be an int in [0, 2**30], got {inline_threshold!r}")
-        store = ObjectStore.create(f"{name}.store", capacity, n_readers, max_object_size, mode=mode)
+        inline_threshold = int_arg(inline_threshold, "inline_threshold", 0, 1 << 30)
+        store = ObjectStore.create(f"{name}.store", capacity_bytes, n_readers, max_object_bytes,
+                                   policy=policy, mode=mode)
         try:
             queue = BroadcastQueue.create(
                 f"{name}.queue", n_readers, slot_bytes=max(inline_threshold, HANDLE_MESSAGE_BYTES),
@@ -71,12 +81,12 @@ class Channel:
 
     @staticmethod
     def attach(name: str, reader: int) -> ChannelReader:
-        """Attach as reader `reader`; messages sent from now on are received."""
-        store = ObjectStore.attach(f"{name}.store", reader)
+        """Attach as reader `reader`; every message sent after this returns is received."""
+        queue = BroadcastQueue.attach(f"{name}.queue", reader)
         try:
-            queue = BroadcastQueue.attach(f"{name}.queue", reader)
+            store = ObjectStore.attach(f"{name}.store", queue.reader, from_start=False)
         except BaseException:
-            store.close()
+            queue.close()
             raise
         return ChannelReader(store, queue)
 
@@ -92,6 +102,9 @@ class _Pair(Closeable):
         if self._store is not None:
             self._store.close()
 
+    @property
+    def closed(self) -> bool:
+        return bool(self._queue is None or self._queue.closed)
 
 
 class ChannelWriter(_Pair):
@@ -111,13 +124,11 @@ class ChannelWriter(_Pair):
     def store(self) -> StoreWriter:
         return self._store  # type: ignore[no-any-return]
 
-    @property
-    def queue(self) -> QueueWriter:
-        return self._queue  # type: ignore[no-any-return]
-
     def wait_for_readers(self, timeout: float | None = None) -> None:
-        """Block until every reader has attached to the queue."""
-        self._queue.wait_for_readers(timeout)
+        """Block until every reader has attached (queue and store)."""
+        deadline = Deadline(timeout)
+        self._queue.wait_for_readers(deadline.remaining())
+        self._store.wait_for_readers(deadline.remaining())
 
     def send(self, obj: Any, key: str | bytes | None = None, timeout: float | None = None) -> None:
         """Send `obj` to every reader.
@@ -125,8 +136,13 @@ class ChannelWriter(_Pair):
         Args:
             key: a content hash; when it is cached the stored object is handed out again and
                 nothing is copied. Without a key a large value is stored under a fresh one.
-            timeout: seconds to wait for space in the store and in the queue.
+            timeout: seconds to wait, in all, for space in the store and in the queue (None:
+                without limit, 0: not at all).
+
+        Raises:
+            StoreFull, Timeout: no space in time. NotSerializable, ObjectTooLarge.
         """
+        deadline = Deadline(timeout)
         store: StoreWriter = self._store
         queue: QueueWriter = self._queue
         if key is not None and store.is_cached(key):
@@ -134,18 +150,24 @@ class ChannelWriter(_Pair):
         else:
             enc = encode(obj)
             if enc.nbytes <= self.inline_threshold:
-                queue._publish(enc, TAG_INLINE, timeout)
+                queue.publish(enc, deadline, tag=TAG_INLINE)
                 self.sent_inline += 1
                 return
             if key is None:
                 key = f"#channel-{next(self._anonymous)}"
-            handle = store.put(key, obj, timeout=timeout)
+            handle = store.put_encoded(key, enc, deadline.remaining())
         try:
-            queue._publish(encode(handle), TAG_HANDLE, timeout)
+            queue.publish(encode((handle, store.handout_seq)), deadline, tag=TAG_HANDLE)
         except BaseException:
-            store.release(handle)  # no reader will read this hand-out
+            with suppress(ShmStoreError):  # closed meanwhile: nothing to give back to
+                store.give_back(handle)  # no reader will read this hand-out
             raise
         self.sent_by_handle += 1
+
+    def end(self) -> None:
+        """Close the queue: readers get Closed after the last message. The store stays open
+        (handles already received stay readable) until close()."""
+        self._queue.close()
 
 
 class ChannelReader(_Pair):
@@ -154,25 +176,31 @@ class ChannelReader(_Pair):
     def __init__(self, store: StoreReader, queue: QueueReader) -> None:
         self._store = store
         self._queue = queue
+        self.reader = queue.reader
 
-    def _next(self, timeout: float | None) -> tuple[Any, bool]:
-        msg, tag = self._queue._receive(timeout)
-        if tag == TAG_INLINE:
-            return msg, False
-        if tag != TAG_HANDLE or type(msg) is not Handle:
-            raise CorruptObject(f"channel message with tag {tag} holds a {type(msg).__name__}, "
-                                "not what that tag carries")
-        return msg, True
+    def _next(self, deadline: Deadline) -> tuple[Any, bool]:
+        store: StoreReader = self._store
+        while True:
+            tag, msg = self._queue.receive(deadline)
+            if tag == TAG_INLINE:
+                return msg, False
+            if (tag != TAG_HANDLE or type(msg) is not tuple or len(msg) != 2
+                    or type(msg[0]) is not Handle or type(msg[1]) is not int):
+                raise CorruptObject(f"channel message with tag {tag} holds {type(msg).__name__} "
+                                    "that is not what that tag carries")
+            if msg[1] > store.joined_handout:
+                return msg[0], True
+            # handed out before this reader joined the store: not owed to it, not read
 
     def recv(self, timeout: float | None = None) -> Any:
         """Return the next value as an owned copy."""
-        msg, by_handle = self._next(timeout)
+        msg, by_handle = self._next(Deadline(timeout))
         return self._store.get(msg) if by_handle else msg
 
     @contextmanager
     def recv_view(self, timeout: float | None = None) -> Iterator[Any]:
         """Yield the next value; stored values are zero-copy views valid inside the block."""
-        msg, by_handle = self._next(timeout)
+        msg, by_handle = self._next(Deadline(timeout))
         if not by_handle:
             yield msg
             return

@@ -3,8 +3,50 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from dataclasses import dataclass
+
+from ._proc import pid_alive
+from .segment import KIND_NAMES, MAGIC, MAKING_MAGIC, SEGMENT_HEADER, SHM_DIR
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What `shmstore ls` shows of one segment in /dev/shm."""
+
+    name: str
+    kind: int
+    n_readers: int
+    size_bytes: int
+    writer_pid: int
+    writer_alive: bool
+    created_ns: int
+    complete: bool  # False: its writer was still creating it (or died doing so)
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, f"kind {self.kind}")
+
+
+def list_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
+    """Every shmstore segment in `shm_dir` this user can read, by name (half-made ones too)."""
+    found = []
+    for entry in sorted(os.listdir(shm_dir)):
+        path = os.path.join(shm_dir, entry)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(SEGMENT_HEADER.size)
+                size = os.fstat(f.fileno()).st_size
+        except OSError:
+            continue
+        if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
+            continue
+        magic, _, kind, n_readers, _, _, _, pid, _, created_ns = SEGMENT_HEADER.unpack(header)
+        found.append(SegmentInfo(entry, kind, n_readers, size, pid, pid_alive(pid), created_ns,
+                                 magic == MAGIC))
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,13 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_ls() -> int:
-    from .segment import list_segments
-
     rows = [("NAME", "KIND", "READERS", "SIZE", "WRITER", "STATE", "AGE")]
     now = time.time_ns()
     for info in list_segments():
         rows.append((info.name, info.kind_name, str(info.n_readers), _size(info.size_bytes),
-                     str(info.writer_pid), "alive" if info.writer_alive else "dead",
+                     str(info.writer_pid), ("alive" if info.writer_alive else "dead")
+                     + ("" if info.complete else ", half-made"),
                      _age((now - info.created_ns) / 1e9)))
     if len(rows) == 1:
         print("no shmstore segments in /dev/shm")
@@ -43,7 +84,7 @@ def cmd_ls() -> int:
 def remove(name: str) -> str:
     """Remove one dead segment (and a queue's semaphores); return what happened."""
     from .broadcast import remove_semaphores
-    from .segment import KIND_QUEUE, Segment, list_segments
+    from .segment import KIND_QUEUE, Segment
 
     info = next((i for i in list_segments() if i.name == name), None)
     if info is None:
@@ -67,8 +108,6 @@ def cmd_rm(names: list[str]) -> int:
 
 
 def cmd_gc() -> int:
-    from .segment import list_segments
-
     dead = [i.name for i in list_segments() if not i.writer_alive]
     for name in dead:
         print(remove(name))

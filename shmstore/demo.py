@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache import CACHE_KINDS, make_cache
+from .cache import CACHE_KINDS, PAYLOAD_HANDLE, ReceiverCache, SenderCache
 from .channel import Channel
 from .errors import Closed
 from .hashing import mm_hash
@@ -132,7 +132,7 @@ def worker_main(channel: str, kind: str, cache_name: str | None, capacity: int, 
     """Resolve every request's payload and check its tensor; report counts at the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides; it closes the channel
     os.environ["OMP_NUM_THREADS"] = "1"
-    receiver = make_cache(kind, "receiver", capacity_bytes=capacity, name=cache_name, reader=index)
+    receiver = ReceiverCache.attach(kind, capacity_bytes=capacity, name=cache_name, reader=index)
     ch = Channel.attach(channel, reader=index)
     verified = mismatched = nbytes = 0
     error = None
@@ -181,11 +181,11 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     stream = request_stream(args.requests, args.images, args.seed)
-    sender = make_cache(args.cache, "sender", capacity_bytes=capacity, n_readers=args.workers,
-                        name=None if args.cache == "lru" else f"{tag}-cache")
+    sender = SenderCache.create(args.cache, capacity_bytes=capacity, n_readers=args.workers,
+                                name=None if args.cache == "lru" else f"{tag}-cache")
     procs: list[Any] = []
     try:
-        with Channel.create(f"{tag}-ch", n_readers=args.workers, capacity=256 << 20) as ch:
+        with Channel.create(f"{tag}-ch", n_readers=args.workers, capacity_bytes=256 << 20) as ch:
             cache_name = getattr(sender, "name", None)
             procs = [ctx.Process(target=worker_main, daemon=True,
                                  args=(f"{tag}-ch", args.cache, cache_name, capacity, i, results))
@@ -209,14 +209,14 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
                 payload = sender.process(key, make)
                 if made:
                     sums[key] = checksum(made[0])
-                    if payload[0] == "h":
+                    if payload[0] == PAYLOAD_HANDLE:
                         bytes_to_shm += made[0].nbytes
                     else:
                         transport += made[0].nbytes
                 ch.send({"request_id": request_id, "payload": payload, "checksum": sums[key]},
                         timeout=120)
                 progress.update(1)
-            ch.queue.close()  # workers drain what was sent, then see Closed
+            ch.end()  # workers drain what was sent, then see Closed
             reports = [results.get(timeout=300) for _ in procs]
             seconds = time.perf_counter() - start
             progress.close()

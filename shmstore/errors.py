@@ -1,14 +1,17 @@
 """The exception types of shmstore: one hierarchy under `ShmStoreError`.
 
-Every class derives from a stdlib exception with the same meaning as well, so callers can catch
+Every class also derives from the stdlib exception with the same meaning, so callers can catch
 either. Messages say what failed, with numbers and units, and what to do; the same values are
-attributes of the exception.
+attributes of the exception (None where a value is unknown).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ShmStoreError",
+    "InvalidArgument",
     "InvalidName",
     "SegmentNotFound",
     "SegmentExists",
@@ -20,8 +23,10 @@ __all__ = [
     "WrongSegmentKind",
     "ShmSpaceError",
     "SegmentClosed",
+    "WrongProcess",
     "StoreFull",
     "ObjectTooLarge",
+    "NotSerializable",
     "KeyExists",
     "KeyNotCached",
     "InvalidKey",
@@ -39,6 +44,15 @@ __all__ = [
 
 class ShmStoreError(Exception):
     """Base class of every error shmstore raises on purpose."""
+
+
+class InvalidArgument(ShmStoreError, ValueError):
+    """An argument outside what the call accepts (the message names it and its range)."""
+
+    def __init__(self, message: str, argument: str, value: Any) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.value = value
 
 
 class InvalidName(ShmStoreError, ValueError):
@@ -97,7 +111,16 @@ class ShmSpaceError(ShmStoreError, OSError):
 
 
 class SegmentClosed(ShmStoreError, ValueError):
-    """An operation on an object whose close() was already called."""
+    """An operation on an object whose close() was called (before or during the call)."""
+
+
+class WrongProcess(ShmStoreError, RuntimeError):
+    """An object used in a process that did not create or attach it (a forked child)."""
+
+    def __init__(self, message: str, owner_pid: int, pid: int) -> None:
+        super().__init__(message)
+        self.owner_pid = owner_pid
+        self.pid = pid
 
 
 class StoreFull(ShmStoreError, MemoryError):
@@ -117,12 +140,23 @@ class StoreFull(ShmStoreError, MemoryError):
 
 
 class ObjectTooLarge(ShmStoreError, ValueError):
-    """An object's serialized size exceeds the store's max_object_size."""
+    """An object's serialized size exceeds the store's max_object_bytes."""
 
     def __init__(self, message: str, object_bytes: int, max_object_bytes: int) -> None:
         super().__init__(message)
         self.object_bytes = object_bytes
         self.max_object_bytes = max_object_bytes
+
+
+class NotSerializable(ShmStoreError, TypeError, ValueError):
+    """A value the serializer cannot carry (a type, an int beyond 64 bits, too deep, bad str).
+
+    `path` says where inside the value, e.g. "obj['pixel_values'][2]".
+    """
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class KeyExists(ShmStoreError, ValueError):
@@ -144,24 +178,46 @@ class KeyNotCached(ShmStoreError, KeyError):
         return str(self.args[0])
 
 
-class InvalidKey(ShmStoreError, TypeError):
-    """A key that is neither str nor bytes, or is empty."""
+class InvalidKey(ShmStoreError, TypeError, ValueError):
+    """A key that is neither str nor bytes (TypeError), or is empty (ValueError)."""
 
 
 class StaleHandle(ShmStoreError, LookupError):
     """A handle whose object was reclaimed, cleared, or belongs to another store."""
 
+    def __init__(self, message: str, handle: Any = None, name: str | None = None) -> None:
+        super().__init__(message)
+        self.handle = handle
+        self.name = name
+
+
+class InvalidHandle(ShmStoreError, ValueError):
+    """A value that is not a well-formed Handle (wrong types, out-of-range fields, bad bytes)."""
+
 
 class CorruptObject(ShmStoreError, ValueError):
-    """Bytes read from shared memory (or a message) fail validation."""
+    """Bytes read from shared memory (or a message) fail validation.
+
+    `name` is the segment, when known. A reader that raises this has already given the object
+    up (counted as read), so the writer is not blocked by it.
+    """
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class ReaderIndexError(ShmStoreError, IndexError):
     """A reader index outside 0..n_readers-1."""
 
+    def __init__(self, message: str, reader: Any, n_readers: int) -> None:
+        super().__init__(message)
+        self.reader = reader
+        self.n_readers = n_readers
+
 
 class ReaderSlotBusy(ShmStoreError, RuntimeError):
-    """A reader slot is held by another live process."""
+    """A reader index is held by another live process, or already attached in this one."""
 
     def __init__(self, message: str, reader: int, pid: int) -> None:
         super().__init__(message)
@@ -170,7 +226,13 @@ class ReaderSlotBusy(ShmStoreError, RuntimeError):
 
 
 class Timeout(ShmStoreError, TimeoutError):
-    """A blocking call ran out of time."""
+    """A blocking call ran out of time; `lagging_readers` names whom a writer waited for."""
+
+    def __init__(self, message: str, timeout_s: float | None,
+                 lagging_readers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+        self.lagging_readers = lagging_readers
 
 
 class SegmentPermissionError(ShmStoreError, PermissionError):
@@ -179,10 +241,6 @@ class SegmentPermissionError(ShmStoreError, PermissionError):
     def __init__(self, message: str, name: str) -> None:
         super().__init__(message)
         self.name = name
-
-
-class InvalidHandle(ShmStoreError, ValueError):
-    """A value that is not a well-formed Handle (wrong types, out-of-range fields, bad bytes)."""
 
 
 class Closed(ShmStoreError, EOFError):
@@ -200,3 +258,8 @@ class MessageTooLarge(ShmStoreError, ValueError):
 
 class WriterGone(ShmStoreError, ConnectionError):
     """The writer process died: no message will come any more (unlike Closed, not on purpose)."""
+
+    def __init__(self, message: str, name: str, writer_pid: int) -> None:
+        super().__init__(message)
+        self.name = name
+        self.writer_pid = writer_pid

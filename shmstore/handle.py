@@ -14,12 +14,13 @@ extension; `pack`/`unpack` are for carrying it over other transports.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
-from .errors import InvalidHandle
+from .errors import InvalidHandle, InvalidKey
 
-__all__ = ["Handle", "HANDLE_WIRE", "KEY_DIGEST_BYTES"]
+__all__ = ["Handle", "HANDLE_WIRE", "KEY_DIGEST_BYTES", "key_digest", "check_key"]
 
 KEY_DIGEST_BYTES = 16  # blake2b-128: collisions need ~2**64 keys
 HANDLE_WIRE = struct.Struct("<QQ16sQ")
@@ -66,3 +67,23 @@ class Handle:
     def __repr__(self) -> str:
         return (f"Handle(address={self.address}, seq={self.seq}, "
                 f"key_digest={self.key_digest.hex()}, epoch={self.epoch:#x})")
+
+
+def check_key(key: object) -> str | bytes:
+    """Return `key` if it is a non-empty str or bytes; raise InvalidKey saying what keys are."""
+    if type(key) is str or type(key) is bytes:
+        if key:
+            return key
+        raise InvalidKey("keys must not be empty: use a content hash such as shmstore.mm_hash(...)")
+    raise InvalidKey(f"keys are str or bytes (e.g. an mm hash), got {type(key).__name__}; "
+                     "hash other values with shmstore's mm_hash or hashlib first")
+
+
+def key_digest(key: str | bytes) -> bytes:
+    """Return the 16-byte digest a Handle carries for `key` (str and bytes keys never collide)."""
+    check_key(key)
+    if isinstance(key, str):
+        data = b"s" + key.encode("utf-8", "surrogatepass")
+    else:
+        data = b"b" + key
+    return hashlib.blake2b(data, digest_size=KEY_DIGEST_BYTES).digest()

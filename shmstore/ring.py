@@ -27,27 +27,36 @@ Scenarios (data area of 8 lines, A..D chunks, '.' free)::
     5. allocate E(1): only [2,2) is free before B    -> StoreFull
     6. free B, C; allocate E(4)    [D D E E E E . .]   head=6 tail=D
 
-Who may call what: the writer (from `create`) allocates, frees and clears; anyone reads with
-`access`. A payload memoryview stays valid until close(), but its bytes belong to the chunk only
-until the writer frees it.
+The writer keeps every live chunk's header in its own memory (`Chunk`) and never reads a
+header back from shared memory: a damaged header can mislead readers (who then fail loudly),
+never the writer.
+
+Freeing is two steps: `tombstone` zeroes the chunk's seq word (a full-barrier exchange, so new
+reads of its handles fail), then `pop_oldest` gives the bytes back once the layer above has made
+sure no reader is still inside the chunk (store.py: reader pins).
+
+Who may call what: the writer (from `create`) allocates, tombstones and pops; anyone reads
+headers with `header` and payloads with `payload_view`. A payload memoryview stays valid until
+close(), but its bytes belong to the chunk only until the writer pops it.
 """
 
 from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from ._closeable import Closeable
+from ._proc import int_arg
 from .errors import CorruptObject, SegmentClosed, StaleHandle, StoreFull
-from .segment import ALIGN_BYTES, KIND_RING, SEGMENT_HEADER, Segment, align_up
+from .segment import ALIGN_BYTES, KIND_RING, MAX_CAPACITY_BYTES, SEGMENT_HEADER, Segment, align_up
 
-__all__ = ["ShmRingBuffer", "RingWriter", "ChunkHeader", "CHUNK_HEADER"]
+__all__ = ["ShmRingBuffer", "RingWriter", "ChunkHeader", "Chunk", "CHUNK_HEADER", "CHUNK_SEQ"]
 
 CHUNK_HEADER = struct.Struct("<QQQQ32x")
 assert CHUNK_HEADER.size == ALIGN_BYTES  # the layout above; the payload starts on a cache line
+CHUNK_SEQ = 0  # byte offset of seq in a chunk header
 _SEQ = struct.Struct("<Q")
 _CHECK_MULTIPLIER = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads bits of the mix
 _U64_MASK = (1 << 64) - 1
@@ -55,12 +64,24 @@ _U64_MASK = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
-    """A validated chunk header."""
+    """A chunk header as a reader validated it."""
 
     address: int
     seq: int
     chunk_bytes: int
     payload_bytes: int
+
+
+@dataclass(slots=True, eq=False)
+class Chunk:
+    """The writer's private record of one live chunk; `owner` is the layer's record of it."""
+
+    address: int
+    seq: int
+    chunk_bytes: int
+    payload_bytes: int
+    owner: Any = None
+    tombstoned: bool = False
 
 
 def _check_word(seq: int, chunk_bytes: int, payload_bytes: int, epoch: int) -> int:
@@ -89,18 +110,18 @@ class ShmRingBuffer(Closeable):
     def create(
         cls,
         name: str | None,
-        capacity: int,
+        capacity_bytes: int,
         *,
         meta_bytes: int = 0,
         n_readers: int = 0,
         mode: int = 0o600,
         prefault: bool = True,
     ) -> RingWriter:
-        """Create a ring with a data area of `capacity` bytes (rounded up to a cache line)."""
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2 * ALIGN_BYTES:
-            raise ValueError(f"capacity must be an int >= {2 * ALIGN_BYTES} bytes, got {capacity!r}")
+        """Create a ring with a data area of `capacity_bytes` (rounded up to a cache line)."""
+        capacity_bytes = int_arg(capacity_bytes, "capacity_bytes", 2 * ALIGN_BYTES,
+                                 MAX_CAPACITY_BYTES)
         segment = Segment.create(
-            name, kind=KIND_RING, capacity_bytes=align_up(capacity), meta_bytes=meta_bytes,
+            name, kind=KIND_RING, capacity_bytes=align_up(capacity_bytes), meta_bytes=meta_bytes,
             n_readers=n_readers, mode=mode, prefault=prefault,
         )
         return RingWriter(segment)
@@ -123,7 +144,7 @@ class ShmRingBuffer(Closeable):
         return self.segment.name
 
     @property
-    def capacity(self) -> int:
+    def capacity_bytes(self) -> int:
         """Bytes in the data area."""
         return self.segment.capacity_bytes
 
@@ -139,6 +160,12 @@ class ShmRingBuffer(Closeable):
 
     # -- reading -----------------------------------------------------------------------------
 
+    def valid_address(self, address: object) -> bool:
+        """Whether `address` can be a chunk address of this ring (not whether one is there)."""
+        return (type(address) is int and self._data_start <= address
+                and address + ALIGN_BYTES <= self._data_end
+                and (address - self._data_start) % ALIGN_BYTES == 0)
+
     def header(self, address: int, seq: int | None = None) -> ChunkHeader:
         """Read and validate the chunk header at `address`.
 
@@ -149,9 +176,7 @@ class ShmRingBuffer(Closeable):
         buf = self._buf
         if buf is None:
             raise _closed_error()
-        if (isinstance(address, bool) or not isinstance(address, int)
-                or address < self._data_start or address + ALIGN_BYTES > self._data_end
-                or (address - self._data_start) % ALIGN_BYTES):
+        if not self.valid_address(address):
             raise CorruptObject(
                 f"address {address!r} is not a chunk address in ring {self.name!r} (a multiple of "
                 f"{ALIGN_BYTES} in [{self._data_start}, {self._data_end})): the handle is damaged"
@@ -172,28 +197,12 @@ class ShmRingBuffer(Closeable):
             )
         return ChunkHeader(address, chunk_seq, chunk_bytes, payload_bytes)
 
-    def current_seq(self, address: int) -> int:
-        """Return the seq now stored at `address` (unvalidated; for re-checks after a read)."""
-        buf = self._buf
-        if buf is None:
+    def payload_view(self, header: ChunkHeader) -> memoryview:
+        """The payload of a chunk whose header was validated by `header()`."""
+        if self._buf is None:
             raise _closed_error()
-        return int(_SEQ.unpack_from(buf, address)[0])
-
-    @contextmanager
-    def access(self, address: int, seq: int | None = None) -> Iterator[tuple[memoryview, ChunkHeader]]:
-        """Yield the payload memoryview of the chunk at `address` and its header.
-
-        On exit the seq is read again: if the writer reused the chunk meanwhile, what was read may
-        be torn and StaleHandle is raised.
-        """
-        header = self.header(address, seq)
-        start = address + ALIGN_BYTES
-        yield self.segment.buf[start:start + header.payload_bytes], header
-        if self.current_seq(address) != header.seq:
-            raise StaleHandle(
-                f"chunk seq {header.seq} at address {address} of ring {self.name!r} was "
-                "overwritten while it was being read; what was read is not valid"
-            )
+        start = header.address + ALIGN_BYTES
+        return self._buf[start:start + header.payload_bytes]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -207,39 +216,40 @@ class ShmRingBuffer(Closeable):
     def __repr__(self) -> str:
         if self.closed:
             return f"<{type(self).__name__} closed>"
-        return f"<{type(self).__name__} {self.name!r} capacity={self.capacity}>"
+        return f"<{type(self).__name__} {self.name!r} capacity_bytes={self.capacity_bytes}>"
 
 
 class RingWriter(ShmRingBuffer):
-    """The single writer of a ring: allocate, free (oldest first) and clear.
+    """The single writer of a ring: allocate, tombstone and pop (oldest first).
 
     Only the process that created the ring holds one. It owns the name and unlinks it on close.
     """
 
     def __init__(self, segment: Segment) -> None:
         super().__init__(segment)
-        # (address, seq, chunk_bytes, payload_bytes), oldest first
-        self._chunks: deque[tuple[int, int, int, int]] = deque()
-        self._head = self._data_start
+        # The deque is the only state besides the seq counter: the head and the bytes in use are
+        # derived from it, so no exception between two statements can make them disagree.
+        self._chunks: deque[Chunk] = deque()  # oldest first
         self._next_seq = 1
-        self._used_bytes = 0
+        self._words = segment.words
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held by live chunks, headers included."""
-        return self._used_bytes
+        """Bytes held by live chunks, headers included (O(chunks))."""
+        return sum(chunk.chunk_bytes for chunk in self._chunks)
 
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def oldest(self) -> tuple[int, int] | None:
-        """(address, seq) of the oldest live chunk, or None when empty."""
-        if not self._chunks:
-            return None
-        address, seq, _, _ = self._chunks[0]
-        return address, seq
+    def __iter__(self) -> Any:
+        return iter(tuple(self._chunks))
 
-    def chunk_bytes_for(self, nbytes: int) -> int:
+    def oldest(self) -> Chunk | None:
+        """The oldest live chunk, or None when empty."""
+        return self._chunks[0] if self._chunks else None
+
+    @staticmethod
+    def chunk_bytes_for(nbytes: int) -> int:
         """Ring bytes a payload of `nbytes` takes, header included."""
         return ALIGN_BYTES + align_up(nbytes)
 
@@ -247,8 +257,9 @@ class RingWriter(ShmRingBuffer):
         start, end = self._data_start, self._data_end
         if not self._chunks:
             return start if chunk_bytes <= end - start else None
-        oldest = self._chunks[0][0]
-        head = self._head
+        oldest = self._chunks[0].address
+        newest = self._chunks[-1]
+        head = newest.address + newest.chunk_bytes
         if head > oldest:  # live chunks run oldest..head: free space is [head, end) + [start, oldest)
             if head + chunk_bytes <= end:
                 return head
@@ -259,72 +270,55 @@ class RingWriter(ShmRingBuffer):
         """Say whether allocate(nbytes) would succeed now."""
         return self._place(self.chunk_bytes_for(nbytes)) is not None
 
-    def allocate(self, nbytes: int) -> tuple[int, int]:
-        """Reserve a chunk for `nbytes` of payload; return its (address, seq).
+    def allocate(self, nbytes: int) -> Chunk:
+        """Reserve a chunk for `nbytes` of payload at the head and return it (owner None).
 
         Raises:
             StoreFull: no contiguous space is left (free old chunks first).
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        nbytes = int_arg(nbytes, "nbytes", 0, self._data_end - self._data_start)
         chunk_bytes = self.chunk_bytes_for(nbytes)
         address = self._place(chunk_bytes)
         if address is None:
             raise StoreFull(
                 f"ring {self.name!r} has no contiguous {chunk_bytes} bytes free "
-                f"({self._used_bytes} of {self.capacity} bytes in use by {len(self._chunks)} "
-                "chunks): free old chunks, or create a larger ring",
-                chunk_bytes, self.capacity,
+                f"({self.used_bytes} of {self.capacity_bytes} bytes in use by "
+                f"{len(self._chunks)} chunks): free old chunks, or create a larger ring",
+                chunk_bytes, self.capacity_bytes,
             )
         seq = self._next_seq
-        self._next_seq = seq + 1
         CHUNK_HEADER.pack_into(
             self.segment.buf, address, seq, chunk_bytes, nbytes,
             _check_word(seq, chunk_bytes, nbytes, self._epoch),
         )
-        self._chunks.append((address, seq, chunk_bytes, nbytes))
-        self._head = address + chunk_bytes
-        self._used_bytes += chunk_bytes
-        return address, seq
+        chunk = Chunk(address, seq, chunk_bytes, nbytes)
+        self._next_seq = seq + 1
+        self._chunks.append(chunk)  # the commit: one statement
+        return chunk
 
-    def payload(self, address: int) -> memoryview:
-        """The writable payload of a chunk this writer allocated."""
-        header = self.header(address)
-        start = address + ALIGN_BYTES
-        return self.segment.buf[start:start + header.payload_bytes]
+    def payload(self, chunk: Chunk) -> memoryview:
+        """The writable payload of a live chunk (sizes from the writer's own record)."""
+        start = chunk.address + ALIGN_BYTES
+        return self.segment.buf[start:start + chunk.payload_bytes]
 
-    def free(self, is_free: Callable[[int, memoryview], bool], nbytes: int | None = None) -> list[int]:
-        """Free chunks oldest-first while `is_free(seq, payload)` says yes; return their seqs.
+    def header_intact(self, chunk: Chunk) -> bool:
+        """Whether the chunk's header in shared memory still says what the writer wrote."""
+        found = CHUNK_HEADER.unpack_from(self.segment.buf, chunk.address)
+        expected = 0 if chunk.tombstoned else chunk.seq
+        return found == (expected, chunk.chunk_bytes, chunk.payload_bytes,
+                         _check_word(chunk.seq, chunk.chunk_bytes, chunk.payload_bytes,
+                                     self._epoch))
 
-        Stops at the first chunk that may not go, and once `nbytes` (chunk bytes, headers
-        included) have been freed when given.
-        """
-        freed: list[int] = []
-        freed_bytes = 0
-        buf = self.segment.buf
-        while self._chunks and (nbytes is None or freed_bytes < nbytes):
-            address, seq, chunk_bytes, payload_bytes = self._chunks[0]
-            start = address + ALIGN_BYTES
-            if not is_free(seq, buf[start:start + payload_bytes]):
-                break
-            _SEQ.pack_into(buf, address, 0)  # stale handles now fail at once
-            self._chunks.popleft()
-            self._used_bytes -= chunk_bytes
-            freed_bytes += chunk_bytes
-            freed.append(seq)
-        return freed
+    def tombstone(self, chunk: Chunk) -> None:
+        """Zero the chunk's seq word with a full barrier: its handles are stale from now on."""
+        chunk.tombstoned = True
+        self._words.exchange(chunk.address + CHUNK_SEQ, 0)
 
-    def clear(self) -> list[int]:
-        """Free every chunk whatever its state; seqs keep increasing. Return the freed seqs."""
-        buf = self.segment.buf
-        seqs = []
-        for address, seq, _, _ in self._chunks:
-            _SEQ.pack_into(buf, address, 0)
-            seqs.append(seq)
-        self._chunks.clear()
-        self._head = self._data_start
-        self._used_bytes = 0
-        return seqs
+    def pop_oldest(self, chunk: Chunk) -> None:
+        """Give the oldest chunk's bytes back; it must be `chunk` and tombstoned."""
+        if not self._chunks or self._chunks[0] is not chunk or not chunk.tombstoned:
+            raise ValueError("pop_oldest: the chunk must be the oldest and tombstoned first")
+        self._chunks.popleft()
 
     def close(self) -> None:
         """Detach and remove the name from /dev/shm; idempotent."""

@@ -3,7 +3,8 @@
 Layout of every shmstore segment (all integers little-endian)::
 
     offset  size  field
-    0       8     magic            b"SHMSTORE"  (written last: a half-made segment has none)
+    0       8     magic            b"SHMSTORE", written last; b"SHMSTMK~" while being made
+                                   (the rest of the header, writer_pid included, is valid then)
     8       4     layout_version   u32, LAYOUT_VERSION
     12      4     kind             u32, KIND_* of the layer that made it
     16      4     n_readers        u32
@@ -31,18 +32,17 @@ import secrets
 import struct
 import time
 import warnings
-from dataclasses import dataclass
 from types import TracebackType
 
 import posix_ipc
 
 from ._closeable import Closeable
 from ._ordering import OrderedWords
+from ._proc import int_arg, pid_alive
 from .errors import (
     BadMagic,
+    InvalidArgument,
     InvalidName,
-    ReaderIndexError,
-    ReaderSlotBusy,
     SegmentClosed,
     SegmentExists,
     SegmentNotFound,
@@ -61,21 +61,21 @@ __all__ = [
     "MAGIC",
     "KIND_RING",
     "KIND_QUEUE",
+    "MAKING_MAGIC",
     "align_up",
-    "pid_alive",
     "shm_free_bytes",
-    "SegmentInfo",
-    "list_segments",
-    "check_reader_slot",
+    "peek_header",
 ]
 
 MAGIC = b"SHMSTORE"
-LAYOUT_VERSION = 1  # bump on any change to a binary layout of any layer
+MAKING_MAGIC = b"SHMSTMK~"  # header written before the space is reserved: a crash is visible
+LAYOUT_VERSION = 2  # bump on any change to a binary layout of any layer
 ALIGN_BYTES = 64  # one cache line: headers, chunks and tensor buffers start on one
 KIND_RING = 1  # ShmRingBuffer / ObjectStore
 KIND_QUEUE = 2  # BroadcastQueue
 KIND_NAMES = {KIND_RING: "object store (ring buffer)", KIND_QUEUE: "broadcast queue"}
 SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory, for messages and free-space checks
+MAX_CAPACITY_BYTES = 1 << 46  # 64 TiB: far above any machine's shared memory, far below u64
 MAX_NAME_CHARS = 200  # NAME_MAX is 255; leave room for prefixes a caller may add
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
@@ -90,19 +90,6 @@ def align_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
     return (nbytes + align - 1) & ~(align - 1)
 
 
-def pid_alive(pid: int) -> bool:
-    """Say whether a process with this pid exists (in this pid namespace)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def shm_free_bytes() -> int | None:
     """Free bytes in /dev/shm, or None where it cannot be read."""
     try:
@@ -110,23 +97,6 @@ def shm_free_bytes() -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def check_reader_slot(what: str, reader: object, n_readers: int, holder_pid: int | None) -> int:
-    """Validate a reader index of `what` (e.g. "store 'x'") and that no other live process
-    holds it; return the index. `holder_pid` is None to check the index only.
-
-    Raises:
-        ReaderIndexError, ReaderSlotBusy.
-    """
-    if isinstance(reader, bool) or not isinstance(reader, int) or not 0 <= reader < n_readers:
-        raise ReaderIndexError(f"reader index {reader!r} is out of range: {what} has {n_readers} "
-                               f"readers, so use 0..{n_readers - 1}")
-    if holder_pid not in (None, 0, os.getpid()) and pid_alive(holder_pid):
-        raise ReaderSlotBusy(f"reader slot {reader} of {what} is held by live process "
-                             f"{holder_pid}: each reader index belongs to one process; pick a "
-                             "free index", reader, holder_pid)
-    return reader
 
 
 def validate_name(name: str) -> str:
@@ -205,11 +175,11 @@ class Segment(Closeable):
         if name is None:
             name = f"shmstore-{secrets.token_hex(6)}"
         validate_name(name)
-        for value, what in ((capacity_bytes, "capacity_bytes"), (meta_bytes, "meta_bytes")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+        capacity_bytes = int_arg(capacity_bytes, "capacity_bytes", 0, MAX_CAPACITY_BYTES)
+        meta_bytes = int_arg(meta_bytes, "meta_bytes", 0, 1 << 30)
         if capacity_bytes % ALIGN_BYTES:
-            raise ValueError(f"capacity_bytes must be a multiple of {ALIGN_BYTES}, got {capacity_bytes}")
+            raise InvalidArgument(f"capacity_bytes must be a multiple of {ALIGN_BYTES}, got "
+                                  f"{capacity_bytes}", "capacity_bytes", capacity_bytes)
         data_offset = align_up(SEGMENT_HEADER.size + meta_bytes)
         total_bytes = data_offset + capacity_bytes
         try:
@@ -223,8 +193,6 @@ class Segment(Closeable):
         self.is_owner = True
         try:
             os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
-            _reserve(shm.fd, name, total_bytes)
-            self._map(shm.fd, total_bytes, prefault)
             self.kind = kind
             self.n_readers = n_readers
             self.data_offset = data_offset
@@ -233,12 +201,16 @@ class Segment(Closeable):
             self.writer_pid = os.getpid()
             self.epoch = secrets.randbits(63) | 1  # never 0, so a zeroed header never matches
             self.created_ns = time.time_ns()
-            buf = self.buf
-            SEGMENT_HEADER.pack_into(
-                buf, 0, b"\0" * 8, LAYOUT_VERSION, kind, n_readers, data_offset,
+            header = SEGMENT_HEADER.pack(
+                MAKING_MAGIC, LAYOUT_VERSION, kind, n_readers, data_offset,
                 capacity_bytes, total_bytes, self.writer_pid, self.epoch, self.created_ns,
             )
-            buf[0:8] = MAGIC  # last: attachers see a complete header or none
+            # First, before gigabytes are reserved and faulted in: a writer killed during that
+            # leaves a name that `shmstore ls/gc` and the next create recognise as its.
+            os.pwrite(shm.fd, header, 0)
+            _reserve(shm.fd, name, total_bytes)
+            self._map(shm.fd, total_bytes, prefault)
+            self.buf[0:8] = MAGIC  # last: attachers see a complete header or none
         except BaseException:
             self.close()
             self.unlink()
@@ -459,41 +431,6 @@ def _exists_error(name: str) -> SegmentExists:
     )
 
 
-@dataclass(frozen=True)
-class SegmentInfo:
-    """What `shmstore ls` shows of one segment in /dev/shm."""
-
-    name: str
-    kind: int
-    n_readers: int
-    size_bytes: int
-    writer_pid: int
-    writer_alive: bool
-    created_ns: int
-
-    @property
-    def kind_name(self) -> str:
-        return KIND_NAMES.get(self.kind, f"kind {self.kind}")
-
-
-def list_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
-    """Every shmstore segment in `shm_dir` this user can read, by name."""
-    found = []
-    for entry in sorted(os.listdir(shm_dir)):
-        path = os.path.join(shm_dir, entry)
-        try:
-            with open(path, "rb") as f:
-                header = f.read(SEGMENT_HEADER.size)
-                size = os.fstat(f.fileno()).st_size
-        except OSError:
-            continue
-        if len(header) < SEGMENT_HEADER.size or header[:8] != MAGIC:
-            continue
-        _, _, kind, n_readers, _, _, _, pid, _, created_ns = SEGMENT_HEADER.unpack(header)
-        found.append(SegmentInfo(entry, kind, n_readers, size, pid, pid_alive(pid), created_ns))
-    return found
-
-
 def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
     """O_CREAT|O_EXCL the name, taking over a stale shmstore segment of a dead writer once."""
     try:
@@ -515,8 +452,8 @@ def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
 
 
 def peek_header(name: str) -> tuple[int, int, int] | None:
-    """(kind, n_readers, writer pid) of a complete shmstore segment, read without mapping it;
-    None if there is none of that name."""
+    """(kind, n_readers, writer pid) of a shmstore segment, complete or being made, read without
+    mapping it; None if there is none of that name."""
     try:
         shm = posix_ipc.SharedMemory(_posix_name(name))
     except posix_ipc.Error:
@@ -525,7 +462,7 @@ def peek_header(name: str) -> tuple[int, int, int] | None:
         header = os.pread(shm.fd, SEGMENT_HEADER.size, 0)
     finally:
         shm.close_fd()
-    if len(header) < SEGMENT_HEADER.size or header[:8] != MAGIC:
+    if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
         return None
     fields = SEGMENT_HEADER.unpack(header)
     return int(fields[2]), int(fields[3]), int(fields[7])

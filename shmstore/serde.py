@@ -14,14 +14,19 @@ The structure is plain msgpack (nil, bool, int, float, str, bin, array, map) plu
 
     EXT_NDARRAY  [dtype str, shape, buffer index]    numpy array, bytes in a buffer
     EXT_TENSOR   [dtype name, shape, buffer index]   torch CPU tensor, bytes in a buffer
-    EXT_TUPLE    msgpack array of items              a tuple (msgpack only knows lists)
+    EXT_TUPLE    empty; first item of an array       the array is a tuple (msgpack only knows
+                                                     lists); decoded by list_hook, so nesting
+                                                     never recurses on the C stack
     EXT_SCALAR   [dtype str, raw bytes]              a numpy scalar
     EXT_HANDLE   Handle wire form (40 bytes)         a shmstore Handle
 
 `encode` walks the object once (checking every type, with its path for errors) and sizes the body;
 `Encoded.write_into` then copies each array once, straight from its memory into the destination.
 `decode` trusts nothing: every count, length, offset, dtype and shape is checked against the body
-before use and any inconsistency raises CorruptObject. No pickle anywhere.
+before use and any inconsistency raises CorruptObject. No pickle anywhere. Nesting: encode refuses
+more than MAX_DEPTH (100) levels; decode is bounded by msgpack's own iterative stack (1024
+levels, StackError -> CorruptObject) and never recurses in C, so no body can exhaust a reader
+thread's stack.
 
 Subclasses come back as their base type (an OrderedDict as a dict, a namedtuple as a tuple).
 Zero-copy numpy arrays are read-only; zero-copy torch tensors cannot be (torch has no read-only
@@ -40,22 +45,24 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from .errors import CorruptObject, InvalidHandle
+from .errors import CorruptObject, InvalidHandle, NotSerializable
 from .handle import HANDLE_WIRE, Handle
 
 __all__ = ["Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER", "BUFFER_ENTRY"]
 
 BODY_HEADER = struct.Struct("<4sIQ")
 BUFFER_ENTRY = struct.Struct("<QQ")
-BODY_MAGIC = b"SSB1"
+BODY_MAGIC = b"SSB2"
 BUFFER_ALIGN_BYTES = 64  # one cache line; also what SIMD loads of every dtype want
 MAX_DEPTH = 100  # nesting levels; deeper structures (or cycles) are refused
 MAX_NDIM = 64  # numpy's limit
+MAX_DIM = 1 << 62  # any larger dimension cannot describe bytes in memory
 EXT_NDARRAY = 1
 EXT_TENSOR = 2
 EXT_TUPLE = 3
 EXT_SCALAR = 4
 EXT_HANDLE = 5
+_TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
 _INT_MIN = -(1 << 63)
 _INT_LIMIT = 1 << 64
 
@@ -115,9 +122,10 @@ class _Encoder:
         self.sources: list[Any] = []  # numpy arrays or torch tensors, in buffer-index order
         self.sizes: list[int] = []
 
-    def fail(self, path: tuple[Any, ...], obj: object, why: str) -> TypeError:
-        return TypeError(f"cannot serialize {type(obj).__module__}.{type(obj).__qualname__} at "
-                         f"{_format_path(self.root, path)}: {why}")
+    def fail(self, path: tuple[Any, ...], obj: object, why: str) -> NotSerializable:
+        where = _format_path(self.root, path)
+        return NotSerializable(f"cannot serialize {type(obj).__module__}.{type(obj).__qualname__} "
+                               f"at {where}: {why}", where)
 
     def walk(self, obj: Any, path: tuple[Any, ...], depth: int) -> Any:
         kind = type(obj)
@@ -125,12 +133,11 @@ class _Encoder:
             return obj
         if kind is int:
             if not _INT_MIN <= obj < _INT_LIMIT:
-                raise OverflowError(f"int {obj} at {_format_path(self.root, path)} does not fit "
-                                    "in 64 bits; send it as a str or a numpy array")
+                raise self.fail(path, obj, f"int {obj} does not fit in 64 bits; send it as a str "
+                                "or a numpy array")
             return obj
         if depth >= MAX_DEPTH:
-            raise ValueError(f"object nested deeper than {MAX_DEPTH} levels (or cyclic) at "
-                             f"{_format_path(self.root, path)}")
+            raise self.fail(path, obj, f"nested deeper than {MAX_DEPTH} levels (or cyclic)")
         if kind is list:
             return [self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
         if kind is dict:
@@ -142,8 +149,7 @@ class _Encoder:
                 out[self.walk(k, path, depth + 1)] = self.walk(v, path + (k,), depth + 1)
             return out
         if kind is tuple:
-            items = [self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
-            return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items))
+            return [_TUPLE_EXT, *(self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj))]
         if kind is np.ndarray:
             return self.array(obj, path)
         if kind is Handle:
@@ -225,11 +231,18 @@ def encode(obj: Any, *, root: str = "obj") -> Encoded:
     """Check and size `obj`; return an Encoded to write with `write_into`.
 
     Raises:
-        TypeError: an unsupported type, named with its path (e.g. obj['pixel_values'][2]).
-        OverflowError: an int outside 64 bits. ValueError: nesting deeper than MAX_DEPTH.
+        NotSerializable: an unsupported type, an int outside 64 bits, nesting deeper than
+            MAX_DEPTH or a str that is not valid Unicode, with its path (obj['pixel_values'][2]).
     """
     enc = _Encoder(root)
-    structure = msgpack.packb(enc.walk(obj, (), 0))
+    tree = enc.walk(obj, (), 0)
+    try:
+        structure = msgpack.packb(tree)
+    except UnicodeEncodeError:
+        where = _format_path(root, _bad_str_path(obj, ()) or ())
+        raise NotSerializable(f"cannot serialize the str at {where}: it is not valid Unicode (a "
+                              "lone surrogate); encode it with errors='surrogatepass' and send "
+                              "bytes", where) from None
     n_buffers = len(enc.sources)
     table_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers
     nbytes = table_end + len(structure)
@@ -245,6 +258,28 @@ def encode(obj: Any, *, root: str = "obj") -> Encoded:
     return Encoded(bytes(prefix) + structure, buffers, nbytes)
 
 
+def _bad_str_path(obj: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Where in `obj` a str that UTF-8 cannot encode is (the slow path of an encode error)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _bad_str_path(k, path) if isinstance(k, str) else None
+            found = found if found is not None else _bad_str_path(v, path + (k,))
+            if found is not None:
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found = _bad_str_path(v, path + (i,))
+            if found is not None:
+                return found
+    return None
+
+
 def dumps(obj: Any) -> bytes:
     """Serialize `obj` to bytes (two copies; the store writes into shared memory directly)."""
     enc = encode(obj)
@@ -258,11 +293,25 @@ def loads(data: bytes | bytearray | memoryview, *, copy: bool = True) -> Any:
     return decode(memoryview(data), copy=copy)
 
 
+class _TupleMark:
+    """What EXT_TUPLE decodes to; list_hook turns [mark, *items] into a tuple."""
+
+
+_TUPLE_MARK = _TupleMark()
+
+
 class _Decoder:
     def __init__(self, body: memoryview, copy: bool) -> None:
         self.body = body
         self.copy = copy
         self.table: list[tuple[int, int]] = []
+        self.open_marks = 0  # tuple marks not (yet) at the head of an array
+
+    def list_hook(self, items: list[Any]) -> Any:
+        if items and items[0] is _TUPLE_MARK:
+            self.open_marks -= 1
+            return tuple(items[1:])
+        return items
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_NDARRAY:
@@ -302,10 +351,10 @@ class _Decoder:
                 t = torch.frombuffer(self.body, dtype=dtype, count=count, offset=offset)
             return t.view(shape)
         if code == EXT_TUPLE:
-            items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False)
-            if type(items) is not list:
-                raise CorruptObject("a tuple extension does not hold a list")
-            return tuple(items)
+            if data:
+                raise CorruptObject(f"a tuple mark holds {len(data)} bytes, not 0")
+            self.open_marks += 1
+            return _TUPLE_MARK
         if code == EXT_SCALAR:
             dtype_str, raw = self.meta(data, 2)
             dtype = _NUMPY_DTYPES.get(dtype_str) if type(dtype_str) is str else None
@@ -332,8 +381,8 @@ class _Decoder:
         if type(index) is not int or not 0 <= index < len(self.table):
             raise CorruptObject(f"buffer index {index!r} is outside the table of {len(self.table)}")
         if (type(shape) is not list or len(shape) > MAX_NDIM
-                or any(type(d) is not int or d < 0 for d in shape)):
-            raise CorruptObject(f"bad array shape {shape!r}")
+                or any(type(d) is not int or not 0 <= d < MAX_DIM for d in shape)):
+            raise CorruptObject(f"bad array shape {shape!r:.200}")
         count = math.prod(shape)
         offset, nbytes = self.table[index]
         if count * itemsize != nbytes:
@@ -383,10 +432,16 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
         dec.table.append((offset, nbytes))
         low = offset + nbytes
     try:
-        return msgpack.unpackb(body[table_end:struct_end], ext_hook=dec.ext_hook, raw=False,
-                               strict_map_key=False)
+        obj = msgpack.unpackb(body[table_end:struct_end], ext_hook=dec.ext_hook,
+                              list_hook=dec.list_hook, raw=False, strict_map_key=False)
     except CorruptObject:
         raise
-    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as exc:
-        # msgpack's format errors are ValueError subclasses; unhashable keys are TypeError
-        raise CorruptObject(f"object structure is not valid: {type(exc).__name__}: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError,
+            RuntimeError) as exc:
+        # msgpack's format errors (and StackError, for nesting beyond 1024) are ValueErrors;
+        # unhashable keys are TypeErrors; numpy/torch reject impossible shapes with the others
+        raise CorruptObject(f"object structure is not valid: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from None
+    if dec.open_marks:
+        raise CorruptObject("a tuple mark appears elsewhere than at the head of an array")
+    return obj

@@ -12,7 +12,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from shmstore import (
+from shmstore.broadcast import (
+    QUEUE_META,
+    QUEUE_ROW,
+    ROW_READ_SEQ,
+    ROW_SLEEPING,
+    SLOT_HEADER,
+)
+from tests._names import (
     BroadcastQueue,
     Closed,
     MessageTooLarge,
@@ -22,7 +29,6 @@ from shmstore import (
     Timeout,
     WrongSegmentKind,
 )
-from shmstore.broadcast import QUEUE_META, QUEUE_READER, SLOT_HEADER
 
 from .conftest import new_name
 from .workers import queue_reader_main
@@ -35,7 +41,7 @@ def test_layout_offsets() -> None:
     assert struct.unpack_from("<IIQQQ", raw) == (3, 4096, 5, 1, 0)
     raw = SLOT_HEADER.pack(7, 100, 1, 9)
     assert struct.unpack_from("<QQII", raw) == (7, 100, 1, 9)
-    assert QUEUE_META.size == QUEUE_READER.size == SLOT_HEADER.size == 64
+    assert QUEUE_META.size == QUEUE_ROW.size == SLOT_HEADER.size == 64
 
 
 @pytest.fixture
@@ -155,11 +161,11 @@ def test_a_sleeping_reader_wakes_for_a_message(name: str) -> None:
 
 def test_reader_index_and_busy_slot(queue, name: str) -> None:
     w, _ = queue
-    with pytest.raises(ReaderIndexError, match=r"use 0\.\.1"):
+    with pytest.raises(ReaderIndexError, match=r"use an int in 0\.\.1"):
         BroadcastQueue.attach(name, reader=2)
-    table = w._reader_word(0, 0)
+    table = w._table.row(0)
     saved = bytes(w._buf[table:table + 8])
-    w._buf[table:table + 8] = (1).to_bytes(8, "little")
+    w._buf[table:table + 8] = (1 << 32 | 1).to_bytes(8, "little")
     with pytest.raises(ReaderSlotBusy, match="live process 1"):
         BroadcastQueue.attach(name, reader=0)
     w._buf[table:table + 8] = saved
@@ -168,7 +174,7 @@ def test_reader_index_and_busy_slot(queue, name: str) -> None:
 def test_attach_to_a_store_name_is_refused(name: str) -> None:
     from shmstore import ObjectStore
 
-    with ObjectStore.create(name, capacity=4096, n_readers=1):
+    with ObjectStore.create(name, capacity_bytes=4096, n_readers=1):
         with pytest.raises(WrongSegmentKind):
             BroadcastQueue.attach(name, reader=0)
 
@@ -225,9 +231,9 @@ class QueueModel(RuleBasedStateMachine):
     def slots_flags_agree(self) -> None:
         words = self.writer._words
         for r in range(2):
-            read_seq = words.load_acquire(self.writer._reader_word(r, 8))
+            read_seq = words.load_acquire(self.writer._table.row(r) + ROW_READ_SEQ)
             assert read_seq == self.next_index[r]
-            assert words.load_acquire(self.writer._reader_word(r, 16)) == 0  # nobody asleep
+            assert words.load_acquire(self.writer._table.row(r) + ROW_SLEEPING) == 0  # nobody asleep
 
 
 QueueModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

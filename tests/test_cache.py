@@ -8,8 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmstore import CorruptObject, InvalidKey
-from shmstore.cache import CACHE_KINDS, make_cache
+from shmstore.cache import (
+    CACHE_KINDS,
+    PAYLOAD_HANDLE,
+    PAYLOAD_VALUE,
+    ReceiverCache,
+    SenderCache,
+)
+from tests._names import CorruptObject, InvalidArgument, InvalidKey
 
 N_READERS = 2
 OBJ_BYTES = 10_000
@@ -24,9 +30,9 @@ class Harness:
     """A sender and N receivers of one kind; deliver() resolves a payload at every receiver."""
 
     def __init__(self, kind: str, name: str, capacity: int = CAPACITY, **kwargs: Any) -> None:
-        self.sender = make_cache(kind, "sender", capacity_bytes=capacity, n_readers=N_READERS,
+        self.sender = SenderCache.create(kind, capacity_bytes=capacity, n_readers=N_READERS,
                                  name=None if kind == "lru" else name, **kwargs)
-        self.receivers = [make_cache(kind, "receiver", capacity_bytes=capacity, reader=i,
+        self.receivers = [ReceiverCache.attach(kind, capacity_bytes=capacity, reader=i,
                                      name=getattr(self.sender, "name", None))
                           for i in range(N_READERS)]
         self.calls: list[int] = []
@@ -74,7 +80,7 @@ def test_view_gives_the_same_value(cache: Harness) -> None:
 def test_too_large_values_go_inline_and_nothing_is_dropped(cache: Harness) -> None:
     big = {"pixel_values": np.ones(2 * CAPACITY, dtype=np.uint8)}
     payload = cache.sender.process("big", lambda: big)
-    assert payload[0] == "v"
+    assert payload[0] == PAYLOAD_VALUE
     for r in cache.receivers:
         assert r.resolve(payload)["pixel_values"].shape == (2 * CAPACITY,)
     assert cache.sender.stats().inline_fallbacks == 1
@@ -99,18 +105,21 @@ def test_memory_accounting(cache: Harness) -> None:
 
 
 def test_bad_payloads_and_keys(cache: Harness) -> None:
-    for bad in [None, ("zz", 1), ("h",), [1, 2], "h"]:
+    for bad in [None, ("zz", 1), (PAYLOAD_HANDLE,), [1, 2], "h", (99, 1)]:
         with pytest.raises(CorruptObject, match="same cache kind"):
             cache.receivers[0].resolve(bad)
     with pytest.raises(InvalidKey):
         cache.sender.process(123, lambda: obj(0))
 
 
-def test_unknown_kind_and_side() -> None:
-    with pytest.raises(ValueError, match="shm-fifo"):
-        make_cache("arc", "sender", capacity_bytes=100)
-    with pytest.raises(ValueError, match="side"):
-        make_cache("lru", "middle", capacity_bytes=100)
+def test_unknown_kind_and_missing_name() -> None:
+    with pytest.raises(InvalidArgument, match="shm-fifo") as info:
+        SenderCache.create("arc", capacity_bytes=100)
+    assert info.value.argument == "kind" and info.value.value == "arc"
+    with pytest.raises(InvalidArgument, match="shm-fifo"):
+        ReceiverCache.attach("arc", capacity_bytes=100)
+    with pytest.raises(InvalidArgument, match=r"sender's \.name"):
+        ReceiverCache.attach("shm-fifo", capacity_bytes=100)
 
 
 # -- each kind's own eviction order -------------------------------------------------------------
@@ -160,19 +169,20 @@ def test_shm_full_of_unread_objects_falls_back_inline(name: str) -> None:
     h = Harness("shm-fifo", name)
     try:
         payloads = [h.sender.process(f"k{i}", lambda i=i: obj(i)) for i in range(4)]
-        assert [p[0] for p in payloads] == ["h", "h", "h", "v"]  # nobody read the first three
+        # nobody read the first three
+        assert [p[0] for p in payloads] == [PAYLOAD_HANDLE] * 3 + [PAYLOAD_VALUE]
         assert h.sender.stats().inline_fallbacks == 1
         for p in payloads:
             for r in h.receivers:
                 r.resolve(p)
-        assert h.sender.process("k9", lambda: obj(9))[0] == "h"
+        assert h.sender.process("k9", lambda: obj(9))[0] == PAYLOAD_HANDLE
     finally:
         h.close()
 
 
 def test_lru_mirror_out_of_step_is_reported(name: str) -> None:
-    sender = make_cache("lru", "sender", capacity_bytes=CAPACITY)
-    receiver = make_cache("lru", "receiver", capacity_bytes=CAPACITY)
+    sender = SenderCache.create("lru", capacity_bytes=CAPACITY)
+    receiver = ReceiverCache.attach("lru", capacity_bytes=CAPACITY)
     sender.process("a", lambda: obj(1))  # the receiver never sees this payload
     with pytest.raises(CorruptObject, match="missed a payload"):
         receiver.resolve(sender.process("a", lambda: obj(1)))

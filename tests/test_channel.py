@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from shmstore import Channel, Closed, Timeout
+from tests._names import Channel, Closed, Timeout
 
 from .workers import channel_reader_main
 
@@ -24,7 +24,7 @@ def value(i: int, nbytes: int) -> dict:
 
 @pytest.fixture
 def channel(name: str):
-    w = Channel.create(name, n_readers=1, capacity=1 << 20, inline_threshold=1024)
+    w = Channel.create(name, n_readers=1, capacity_bytes=1 << 20, inline_threshold=1024)
     r = Channel.attach(name, reader=0)
     yield w, r
     r.close()
@@ -72,7 +72,7 @@ def test_timeouts_and_close(channel) -> None:
 
 
 def test_store_full_on_send_releases_nothing_owed(name: str) -> None:
-    with Channel.create(name, n_readers=1, capacity=64 << 10, inline_threshold=0, n_slots=64) as w:
+    with Channel.create(name, n_readers=1, capacity_bytes=64 << 10, inline_threshold=0, n_slots=64) as w:
         r = Channel.attach(name, reader=0)
         try:
             w.send(np.zeros(40_000, np.uint8))
@@ -87,7 +87,7 @@ def test_store_full_on_send_releases_nothing_owed(name: str) -> None:
 
 def run_channel(name: str, n_readers: int, n_messages: int) -> None:
     rng = random.Random(n_readers)
-    with Channel.create(name, n_readers=n_readers, capacity=4 << 20, inline_threshold=4096,
+    with Channel.create(name, n_readers=n_readers, capacity_bytes=4 << 20, inline_threshold=4096,
                         n_slots=32) as w:
         results = CTX.Queue()
         procs = [CTX.Process(target=channel_reader_main, args=(name, r, results, None))
@@ -102,7 +102,7 @@ def run_channel(name: str, n_readers: int, n_messages: int) -> None:
                 if key is not None and w.store.is_cached(key):
                     key = None  # keep checksums tied to i: resend only fresh values here
                 w.send(value(i, nbytes), key=key, timeout=60)
-            w.queue.close()  # readers drain, then see Closed
+            w.end()  # readers drain, then see Closed
             reports = sorted(results.get(timeout=120) for _ in range(n_readers))
         finally:
             for p in procs:
@@ -125,7 +125,7 @@ def test_order_and_bytes_across_reader_processes(name: str, n_readers: int) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_stalled_reader_applies_backpressure(name: str) -> None:
-    with Channel.create(name, n_readers=2, capacity=1 << 20, inline_threshold=4096, n_slots=8) as w:
+    with Channel.create(name, n_readers=2, capacity_bytes=1 << 20, inline_threshold=4096, n_slots=8) as w:
         results = CTX.Queue()
         stalled = CTX.Process(target=channel_reader_main, args=(name, 1, results, 3, 20.0))
         stalled.start()

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from shmstore import BroadcastQueue, Channel, ObjectStore
+from tests._names import BroadcastQueue, Channel, ObjectStore
 
 from .workers import (
     channel_survivor_main,
@@ -30,7 +30,7 @@ def expect(results: mp.Queue, kind: str, timeout: float = 60) -> tuple:
 
 
 def test_reader_killed_inside_a_view_stops_pinning_objects(name: str) -> None:
-    store = ObjectStore.create(name, capacity=4 << 20, n_readers=2)
+    store = ObjectStore.create(name, capacity_bytes=4 << 20, n_readers=2)
     queue = BroadcastQueue.create(name + "-q", n_readers=2, slot_bytes=256, n_slots=16)
     results = CTX.Queue()
     survivor = CTX.Process(target=crash_reader_main, args=(name, name + "-q", 0, results, False))
@@ -119,7 +119,7 @@ def test_writer_killed_readers_get_writer_gone_and_a_new_writer_takes_over(
         # both readers got every value that was completely sent: the same count, in order
         assert abs(reports[0][3] - reports[1][3]) <= 1
         # The dead writer's segments and semaphores are taken over by a new writer.
-        with Channel.create(name, n_readers=1, capacity=8 << 20) as ch:
+        with Channel.create(name, n_readers=1, capacity_bytes=8 << 20) as ch:
             reader = Channel.attach(name, reader=0)
             ch.send({"after": "takeover"})
             assert reader.recv(timeout=5) == {"after": "takeover"}

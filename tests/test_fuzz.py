@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmstore import (
+from shmstore.serde import decode, dumps
+from tests._names import (
     BroadcastQueue,
     CorruptObject,
     Handle,
@@ -27,7 +28,6 @@ from shmstore import (
     StaleHandle,
     Timeout,
 )
-from shmstore.serde import decode, dumps
 
 from .conftest import new_name
 
@@ -56,7 +56,7 @@ def equal(a: Any, b: Any) -> bool:
 @pytest.fixture(scope="module")
 def filled_store():
     name = new_name("fuzz")
-    writer = ObjectStore.create(name, capacity=1 << 20, n_readers=1)
+    writer = ObjectStore.create(name, capacity_bytes=1 << 20, n_readers=1)
     reader = ObjectStore.attach(name, reader=0)
     handles = [writer.put(f"k{i}", obj) for i, obj in enumerate(OBJECTS)]
     for _ in range(10_000):
@@ -107,7 +107,7 @@ def test_any_packed_handle(raw: bytes) -> None:
 @given(data=st.data())
 def test_damaged_store_bytes_fail_or_read_exactly(data: st.DataObject) -> None:
     name = new_name("fuzzs")
-    with ObjectStore.create(name, capacity=1 << 16, n_readers=1) as writer:
+    with ObjectStore.create(name, capacity_bytes=1 << 16, n_readers=1) as writer:
         reader = ObjectStore.attach(name, reader=0)
         try:
             handles = [writer.put(f"k{i}", obj) for i, obj in enumerate(OBJECTS)]

@@ -14,7 +14,7 @@ from .conftest import new_name
 CODE = """
 import numpy as np, shmstore, shmstore._ordering as o
 assert o.ORDERING == "libatomic", o.ORDERING
-w = shmstore.ObjectStore.create({name!r}, capacity=1 << 20, n_readers=1)
+w = shmstore.ObjectStore.create({name!r}, capacity_bytes=1 << 20, n_readers=1)
 r = shmstore.ObjectStore.attach({name!r}, reader=0)
 try:
     for i in range(50):

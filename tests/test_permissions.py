@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from shmstore import ObjectStore
 from shmstore.segment import SHM_DIR
+from tests._names import ObjectStore
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -38,20 +38,20 @@ def attach_as_nobody(name: str) -> str:
 
 
 def test_default_mode_is_owner_only(name: str) -> None:
-    with ObjectStore.create(name, capacity=4096, n_readers=1):
+    with ObjectStore.create(name, capacity_bytes=4096, n_readers=1):
         assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, name)).st_mode) == 0o600
 
 
 @needs_root
 def test_another_user_cannot_attach_an_owner_only_store(name: str) -> None:
-    with ObjectStore.create(name, capacity=4096, n_readers=1):
+    with ObjectStore.create(name, capacity_bytes=4096, n_readers=1):
         result = attach_as_nobody(name)
     assert result.startswith("SegmentPermissionError") and "another user" in result
 
 
 @needs_root
 def test_a_wider_mode_lets_another_user_attach(name: str) -> None:
-    with ObjectStore.create(name, capacity=4096, n_readers=1, mode=0o666):
+    with ObjectStore.create(name, capacity_bytes=4096, n_readers=1, mode=0o666):
         assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, name)).st_mode) == 0o666
         result = attach_as_nobody(name)
     assert result == "attached"

@@ -8,15 +8,14 @@ import sys
 import shmstore
 
 EXPECTED = {
-    "BadMagic", "CorruptObject", "Handle", "IncompatibleSegment", "InvalidHandle", "InvalidKey",
-    "InvalidName", "KeyExists", "KeyNotCached", "ObjectStore", "ObjectTooLarge", "ReaderIndexError",
-    "ReaderSlotBusy", "RingWriter", "Segment", "SegmentClosed", "SegmentExists", "SegmentNotFound",
-    "SegmentPermissionError", "SegmentTooSmall", "ShmRingBuffer", "ShmSpaceError", "ShmStoreError",
-    "StaleHandle", "StoreFull", "StoreReader", "StoreStats", "StoreWriter", "Timeout",
-    "VersionMismatch", "WrongSegmentKind", "decode", "dumps", "encode", "loads",
-    "BroadcastQueue", "QueueReader", "QueueWriter", "Channel", "ChannelReader", "ChannelWriter",
-    "Closed", "MessageTooLarge", "CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache",
-    "make_cache", "mm_hash", "WriterGone",
+    "ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "Handle", "BroadcastQueue",
+    "QueueWriter", "QueueReader", "Channel", "ChannelWriter", "ChannelReader", "CACHE_KINDS",
+    "SenderCache", "ReceiverCache", "CacheStats", "mm_hash", "dumps", "loads",
+    "ShmStoreError", "InvalidArgument", "SegmentNotFound", "SegmentExists",
+    "SegmentPermissionError", "IncompatibleSegment", "ShmSpaceError", "SegmentClosed",
+    "WrongProcess", "StoreFull", "ObjectTooLarge", "NotSerializable", "KeyExists", "KeyNotCached",
+    "InvalidKey", "StaleHandle", "InvalidHandle", "CorruptObject", "ReaderIndexError",
+    "ReaderSlotBusy", "Timeout", "Closed", "MessageTooLarge", "WriterGone",
 }
 
 
@@ -27,10 +26,14 @@ def test_all_is_pinned() -> None:
 
 
 def test_errors_share_one_base_and_stdlib_meanings() -> None:
-    for public in shmstore.__all__:
-        obj = getattr(shmstore, public)
-        if isinstance(obj, type) and issubclass(obj, Exception):
-            assert issubclass(obj, shmstore.ShmStoreError), public
+    import shmstore.errors
+
+    for public in shmstore.errors.__all__:
+        obj = getattr(shmstore.errors, public)
+        assert isinstance(obj, type) and issubclass(obj, shmstore.ShmStoreError), public
+    assert issubclass(shmstore.InvalidArgument, ValueError)
+    assert issubclass(shmstore.NotSerializable, TypeError)
+    assert issubclass(shmstore.InvalidKey, TypeError) and issubclass(shmstore.InvalidKey, ValueError)
     assert issubclass(shmstore.StoreFull, MemoryError)
     assert issubclass(shmstore.ObjectTooLarge, ValueError)
     assert issubclass(shmstore.Timeout, TimeoutError)

@@ -9,9 +9,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shmstore import CorruptObject, RingWriter, SegmentClosed, ShmRingBuffer, StaleHandle, StoreFull
 from shmstore.ring import CHUNK_HEADER
 from shmstore.segment import ALIGN_BYTES
+from tests._names import (
+    CorruptObject,
+    InvalidArgument,
+    RingWriter,
+    SegmentClosed,
+    ShmRingBuffer,
+    StaleHandle,
+    StoreFull,
+)
 
 from .conftest import new_name
 
@@ -31,22 +39,35 @@ def ring(name: str):
     w.close()
 
 
+def pop(ring: RingWriter, n: int = 1) -> list[int]:
+    """Tombstone and give back the `n` oldest chunks; return their seqs."""
+    seqs = []
+    for _ in range(n):
+        chunk = ring.oldest()
+        assert chunk is not None
+        ring.tombstone(chunk)
+        ring.pop_oldest(chunk)
+        seqs.append(chunk.seq)
+    return seqs
+
+
 def test_allocate_until_full_raises(ring: RingWriter) -> None:
-    addresses = [ring.allocate(0)[0] for _ in range(8)]  # 8 header-only chunks fill 8 lines
+    addresses = [ring.allocate(0).address for _ in range(8)]  # 8 header-only chunks: 8 lines
     assert addresses == [ring.segment.data_offset + i * LINE for i in range(8)]
     with pytest.raises(StoreFull, match="no contiguous 64 bytes free"):
         ring.allocate(0)
 
 
-def test_free_returns_seqs_oldest_first_and_stops_at_first_busy(ring: RingWriter) -> None:
-    seqs = [ring.allocate(LINE)[1] for _ in range(4)]
-    busy = {seqs[2]}
-    assert ring.free(lambda seq, payload: seq not in busy) == seqs[:2]
-    assert ring.oldest() is not None and ring.oldest()[1] == seqs[2]  # type: ignore[index]
-    busy.clear()
-    assert ring.free(lambda seq, payload: True, nbytes=1) == [seqs[2]]  # stops once enough freed
-    assert ring.free(lambda seq, payload: True) == [seqs[3]]
-    assert len(ring) == 0
+def test_pop_goes_oldest_first_and_only_after_a_tombstone(ring: RingWriter) -> None:
+    chunks = [ring.allocate(LINE) for _ in range(4)]
+    with pytest.raises(ValueError, match="tombstoned first"):
+        ring.pop_oldest(chunks[0])
+    ring.tombstone(chunks[1])
+    with pytest.raises(ValueError, match="must be the oldest"):
+        ring.pop_oldest(chunks[1])
+    assert pop(ring, 2) == [chunks[0].seq, chunks[1].seq]
+    assert ring.oldest() is chunks[2] and len(ring) == 2
+    assert pop(ring, 2) == [chunks[2].seq, chunks[3].seq] and len(ring) == 0
 
 
 def test_full_buffer_allocation_after_everything_is_freed(ring: RingWriter) -> None:
@@ -54,44 +75,55 @@ def test_full_buffer_allocation_after_everything_is_freed(ring: RingWriter) -> N
         ring.allocate(LINE)
     with pytest.raises(StoreFull):
         ring.allocate(7 * LINE)
-    ring.free(lambda seq, payload: True)
-    address, _ = ring.allocate(7 * LINE)  # header + 7 lines = the whole ring
-    assert address == ring.segment.data_offset
+    pop(ring, 3)
+    assert ring.allocate(7 * LINE).address == ring.segment.data_offset  # the whole ring
 
 
 def test_wraparound_skips_the_tail_and_never_straddles(ring: RingWriter) -> None:
-    a, _ = ring.allocate(LINE)        # 2 lines
+    a = ring.allocate(LINE)           # 2 lines
     ring.allocate(2 * LINE)           # 3 lines
     ring.allocate(2 * LINE)           # 3 lines: ring full
-    ring.free(lambda seq, payload: True, nbytes=1)  # frees A: 2 lines at the start
-    d, _ = ring.allocate(LINE)        # must wrap to the start
-    assert d == a
+    pop(ring)                         # frees A: 2 lines at the start
+    assert ring.allocate(LINE).address == a.address  # must wrap to the start
     with pytest.raises(StoreFull):
         ring.allocate(0)
 
 
 def test_payload_views_and_sizes(ring: RingWriter) -> None:
-    address, seq = ring.allocate(10)
-    ring.payload(address)[:] = b"0123456789"
+    chunk = ring.allocate(10)
+    ring.payload(chunk)[:] = b"0123456789"
     reader = ShmRingBuffer.attach(ring.name)
     try:
-        with reader.access(address, seq) as (payload, header):
-            assert bytes(payload) == b"0123456789"
-            assert (header.seq, header.payload_bytes, header.chunk_bytes) == (seq, 10, 2 * LINE)
+        header = reader.header(chunk.address, chunk.seq)
+        assert bytes(reader.payload_view(header)) == b"0123456789"
+        assert (header.seq, header.payload_bytes, header.chunk_bytes) == (chunk.seq, 10, 2 * LINE)
     finally:
         reader.close()
 
 
-def test_stale_address_and_overwrite_during_access(ring: RingWriter) -> None:
-    address, seq = ring.allocate(LINE)
-    ring.free(lambda s, p: True)
+def test_tombstone_makes_the_chunk_stale_at_once(ring: RingWriter) -> None:
+    chunk = ring.allocate(LINE)
+    assert ring.header_intact(chunk)
+    ring.tombstone(chunk)
+    assert ring.header_intact(chunk)  # a tombstone is what the writer expects there now
     with pytest.raises(StaleHandle, match="freed or overwritten"):
-        ring.header(address, seq)
-    address, seq = ring.allocate(LINE)
-    with pytest.raises(StaleHandle, match="overwritten while it was being read"):
-        with ring.access(address, seq):
-            ring.clear()
-            ring.allocate(LINE)  # same address, new seq
+        ring.header(chunk.address, chunk.seq)
+    pop(ring)
+    again = ring.allocate(LINE)  # same address, new seq
+    assert again.address == chunk.address and again.seq > chunk.seq
+    with pytest.raises(StaleHandle):
+        ring.header(chunk.address, chunk.seq)
+
+
+def test_header_intact_notices_any_damaged_byte(ring: RingWriter) -> None:
+    chunk = ring.allocate(LINE)
+    buf = ring.segment.buf
+    for offset in range(32):
+        saved = buf[chunk.address + offset]
+        buf[chunk.address + offset] = saved ^ 0x40
+        assert not ring.header_intact(chunk), offset
+        buf[chunk.address + offset] = saved
+    assert ring.header_intact(chunk)
 
 
 @pytest.mark.parametrize("address", [-64, 0, 65, 10**9, True, "64"])
@@ -101,20 +133,17 @@ def test_bad_addresses_are_corrupt(ring: RingWriter, address: object) -> None:
 
 
 def test_garbage_header_is_corrupt(ring: RingWriter) -> None:
-    address, seq = ring.allocate(LINE)
+    chunk = ring.allocate(LINE)
+    address, seq = chunk.address, chunk.seq
     ring.segment.buf[address + 8:address + 16] = (999).to_bytes(8, "little")  # chunk_bytes
     with pytest.raises(CorruptObject, match="no valid chunk"):
         ring.header(address, seq)
 
 
-def test_clear_keeps_seqs_increasing(ring: RingWriter) -> None:
-    _, s1 = ring.allocate(0)
-    address, s2 = ring.allocate(0)
-    assert ring.clear() == [s1, s2]
-    _, s3 = ring.allocate(0)
-    assert s3 > s2
-    with pytest.raises(StaleHandle):
-        ring.header(address, s2)
+def test_seqs_keep_increasing_across_an_emptied_ring(ring: RingWriter) -> None:
+    first = [ring.allocate(0) for _ in range(2)]
+    pop(ring, 2)
+    assert ring.allocate(0).seq > first[1].seq
 
 
 def test_closed_ring_stays_closed(name: str) -> None:
@@ -127,7 +156,7 @@ def test_closed_ring_stays_closed(name: str) -> None:
 
 @pytest.mark.parametrize("capacity", [0, 64, -1, 1.5, True])
 def test_bad_capacity(capacity: object) -> None:
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(InvalidArgument, match="capacity_bytes"):
         ShmRingBuffer.create(new_name("cap"), capacity)  # type: ignore[arg-type]
 
 
@@ -167,41 +196,21 @@ class RingModel(RuleBasedStateMachine):
             with pytest.raises(StoreFull):
                 self.ring.allocate(nbytes)
             return
-        address, seq = self.ring.allocate(nbytes)
+        chunk = self.ring.allocate(nbytes)
+        address, seq = chunk.address, chunk.seq
         assert address == spot
         assert seq > self.last_seq
         self.last_seq = seq
         fill = (seq % 251).to_bytes(1, "little") * nbytes
-        self.ring.payload(address)[:] = fill
+        self.ring.payload(chunk)[:] = fill
         self.live.append((address, seq, nbytes))
 
     @precondition(lambda self: self.live)
-    @rule(keep=st.integers(min_value=0, max_value=5), limit=st.none() | st.integers(1, 20 * LINE))
-    def free(self, keep: int, limit: int | None) -> None:
-        allowed = {seq for _, seq, _ in self.live[: max(0, len(self.live) - keep)]}
-        seen = []
-
-        def is_free(seq: int, payload: memoryview) -> bool:
-            seen.append((seq, len(payload)))
-            return seq in allowed
-
-        freed = self.ring.free(is_free, nbytes=limit)
-        expected, total = [], 0
-        for _, seq, nbytes in self.live:
-            if seq not in allowed or (limit is not None and total >= limit):
-                break
-            expected.append(seq)
-            total += LINE + -(-nbytes // LINE) * LINE
-        assert freed == expected
-        assert [s for s, _ in seen[: len(freed)]] == freed
-        sizes = {seq: nbytes for _, seq, nbytes in self.live}
-        assert all(length == sizes[seq] for seq, length in seen)
-        self.live = self.live[len(freed):]
-
-    @rule()
-    def clear(self) -> None:
-        assert self.ring.clear() == [seq for _, seq, _ in self.live]
-        self.live = []
+    @rule(n=st.integers(min_value=1, max_value=6))
+    def free(self, n: int) -> None:
+        n = min(n, len(self.live))
+        assert pop(self.ring, n) == [seq for _, seq, _ in self.live[:n]]
+        self.live = self.live[n:]
 
     @invariant()
     def chunks_are_disjoint_in_bounds_and_intact(self) -> None:
@@ -211,9 +220,9 @@ class RingModel(RuleBasedStateMachine):
         for start, end in spans:
             assert self.start <= start and end <= self.end
         for address, seq, nbytes in self.live:
-            with self.ring.access(address, seq) as (payload, header):
-                assert header.payload_bytes == nbytes
-                assert bytes(payload) == (seq % 251).to_bytes(1, "little") * nbytes
+            header = self.ring.header(address, seq)
+            assert header.payload_bytes == nbytes
+            assert bytes(self.ring.payload_view(header)) == (seq % 251).to_bytes(1, "little") * nbytes
         assert self.ring.used_bytes == sum(e - s for s, e in spans)
 
 

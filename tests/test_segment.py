@@ -12,7 +12,16 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from shmstore import (
+from shmstore.segment import (
+    KIND_QUEUE,
+    KIND_RING,
+    LAYOUT_VERSION,
+    MAGIC,
+    SEGMENT_HEADER,
+    SHM_DIR,
+    pid_alive,
+)
+from tests._names import (
     BadMagic,
     InvalidName,
     Segment,
@@ -23,15 +32,6 @@ from shmstore import (
     ShmSpaceError,
     VersionMismatch,
     WrongSegmentKind,
-)
-from shmstore.segment import (
-    KIND_QUEUE,
-    KIND_RING,
-    LAYOUT_VERSION,
-    MAGIC,
-    SEGMENT_HEADER,
-    SHM_DIR,
-    pid_alive,
 )
 
 

@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmstore import CorruptObject, Handle, decode, dumps, encode, loads
 from shmstore.serde import (
     _NUMPY_DTYPES,
     _TORCH_DTYPE_NAMES,
@@ -21,6 +20,7 @@ from shmstore.serde import (
     EXT_NDARRAY,
     EXT_TENSOR,
 )
+from tests._names import CorruptObject, Handle, NotSerializable, decode, dumps, encode, loads
 
 NUMPY_DTYPES = sorted({dt.name for dt in _NUMPY_DTYPES.values()})
 TORCH_DTYPES = [getattr(torch, n) for n in _TORCH_DTYPE_NAMES if hasattr(torch, n)]
@@ -150,16 +150,17 @@ def test_unsupported_types_name_the_type_and_path(obj: object, path: str, what: 
 
 
 def test_int_out_of_range_and_too_deep() -> None:
-    with pytest.raises(OverflowError, match=r"obj\['big'\]"):
+    with pytest.raises(NotSerializable, match=r"obj\['big'\]") as info:
         encode({"big": 2**64})
-    with pytest.raises(OverflowError):
+    assert info.value.path == "obj['big']"
+    with pytest.raises(NotSerializable):
         encode([-(2**63) - 1])
     deep: list[object] = []
     node = deep
     for _ in range(200):
         node.append([])
         node = node[0]  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="nested deeper"):
+    with pytest.raises(NotSerializable, match="nested deeper"):
         encode(deep)
     cyclic: list[object] = []
     cyclic.append(cyclic)

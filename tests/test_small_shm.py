@@ -10,10 +10,10 @@ import pytest
 
 CODE = r"""
 import os, numpy as np
-from shmstore import ObjectStore, ShmSpaceError
-a = ObjectStore.create("small-a", capacity=40 << 20, n_readers=0)
+from tests._names import ObjectStore, ShmSpaceError
+a = ObjectStore.create("small-a", capacity_bytes=40 << 20, n_readers=0)
 try:
-    ObjectStore.create("small-b", capacity=40 << 20, n_readers=0)
+    ObjectStore.create("small-b", capacity_bytes=40 << 20, n_readers=0)
 except ShmSpaceError as exc:
     print("refused:", exc)
     assert exc.free_bytes is not None and exc.free_bytes < (40 << 20)

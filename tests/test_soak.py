@@ -11,7 +11,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from shmstore import BroadcastQueue, ObjectStore
+from tests._names import BroadcastQueue, ObjectStore
 
 from .workers import crash_reader_main, sum_checksum
 
@@ -28,7 +28,7 @@ def test_soak(name: str) -> None:
     t0 = time.monotonic()
     rng = np.random.default_rng(2026)
     base = rng.integers(0, 2**63, MAX_WORDS, dtype=np.uint64)
-    store = ObjectStore.create(name, capacity=RING_BYTES, n_readers=N_READERS)
+    store = ObjectStore.create(name, capacity_bytes=RING_BYTES, n_readers=N_READERS)
     queue = BroadcastQueue.create(name + "-q", n_readers=N_READERS, slot_bytes=256, n_slots=64)
     results = CTX.Queue()
     procs = [CTX.Process(target=crash_reader_main, args=(name, name + "-q", r, results, False))
@@ -58,7 +58,7 @@ def test_soak(name: str) -> None:
                 objects += 1
                 bytes_put += data.nbytes
                 if roll < 0.20:  # an aborted request: handed back, never sent
-                    store.release(handle)
+                    store.give_back(handle)
                     released += 1
                     continue
                 sums[key] = sum_checksum(data)

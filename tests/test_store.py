@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from shmstore import (
+from shmstore._store_layout import OBJECT_HEADER, STORE_META, STORE_ROW
+from shmstore.handle import key_digest
+from tests._names import (
     CorruptObject,
     Handle,
     InvalidHandle,
@@ -24,14 +26,13 @@ from shmstore import (
     StoreReader,
     StoreWriter,
 )
-from shmstore.store import OBJECT_HEADER, READER_SLOT, STORE_META, key_digest
 
 KIB = 1024
 
 
 @pytest.fixture
 def store(name: str):
-    w = ObjectStore.create(name, capacity=256 * KIB, n_readers=2, max_object_size=64 * KIB)
+    w = ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=2, max_object_bytes=64 * KIB)
     readers = [ObjectStore.attach(name, reader=i) for i in range(2)]
     yield w, readers
     for r in readers:
@@ -49,12 +50,14 @@ def read_all(readers: list[StoreReader], handle: Handle) -> None:
 
 
 def test_layout_offsets() -> None:
-    assert STORE_META.size == READER_SLOT.size == OBJECT_HEADER.size == 64
+    assert STORE_META.size == OBJECT_HEADER.size == 64 and STORE_ROW.size == 128
     raw = OBJECT_HEADER.pack(b"d" * 16, 7, 9)
     assert raw[:16] == b"d" * 16 and int.from_bytes(raw[16:24], "little") == 7
     assert int.from_bytes(raw[24:28], "little") == 9
-    raw = READER_SLOT.pack(-1, 5, 6, 7, 8)
-    assert [int.from_bytes(raw[o:o + 8], "little") for o in (8, 16, 24, 32)] == [5, 6, 7, 8]
+    raw = STORE_ROW.pack(1, 2, 3, 4, 5, 6, *range(10, 18))
+    offsets = (0, 8, 16, 24, 32, 40, *range(64, 128, 8))
+    assert [int.from_bytes(raw[o:o + 8], "little") for o in offsets] == [1, 2, 3, 4, 5, 6,
+                                                                         *range(10, 18)]
     raw = STORE_META.pack(1, 2, 3)
     assert int.from_bytes(raw[8:12], "little") == 2 and int.from_bytes(raw[16:24], "little") == 3
 
@@ -92,7 +95,8 @@ def test_duplicate_key_is_refused(store) -> None:
 
 def test_oversize_object_names_both_sizes(store) -> None:
     w, _ = store
-    with pytest.raises(ObjectTooLarge, match=r"\d+ bytes serialized, above .* \(65536 bytes\)") as e:
+    pattern = r"\d+ bytes serialized, \d+ bytes above the max_object_bytes .* \(65536\)"
+    with pytest.raises(ObjectTooLarge, match=pattern) as e:
         w.put("big", np.zeros(70 * KIB, np.uint8))
     assert e.value.max_object_bytes == 64 * KIB and e.value.object_bytes > 70 * KIB
 
@@ -150,12 +154,12 @@ def test_get_cached_unknown_key(store) -> None:
 def test_release_gives_back_an_aborted_handout(store) -> None:
     w, readers = store
     h = w.put("aborted", blob(0))
-    w.release(h)
+    w.give_back(h)
     with pytest.raises(StaleHandle, match="no hand-out left"):
-        w.release(h)
+        w.give_back(h)
     for i in range(1, 7):
         read_all(readers, w.put(f"k{i}", blob(i)))  # "aborted" is reclaimed without any read
-    assert not w.is_cached("aborted") and w.stats().releases == 1
+    assert not w.is_cached("aborted") and w.stats().give_backs == 1
 
 
 def test_view_counts_on_exit_even_when_the_block_raises(store) -> None:
@@ -230,29 +234,31 @@ def test_str_and_bytes_keys_are_distinct(store) -> None:
 
 @pytest.mark.parametrize("reader", [-1, 2, 100, True])
 def test_reader_index_out_of_range(store, reader: object, name: str) -> None:
-    with pytest.raises(ReaderIndexError, match=r"use 0\.\.1"):
+    with pytest.raises(ReaderIndexError, match=r"use an int in 0\.\.1"):
         ObjectStore.attach(name, reader=reader)  # type: ignore[arg-type]
 
 
 def test_reader_slot_of_a_live_process_is_refused(store, name: str) -> None:
     w, (r0, _) = store
-    slot = w._slot_offset(0)
-    w._buf[slot:slot + 8] = (1).to_bytes(8, "little")  # pid 1 is alive and not us
+    r0.close()
+    row = w._table.row(0)
+    w._buf[row:row + 8] = (1 << 32 | 1).to_bytes(8, "little")  # pid 1 is alive and not us
     with pytest.raises(ReaderSlotBusy, match="held by live process 1"):
         ObjectStore.attach(name, reader=0)
-    w._buf[slot:slot + 8] = bytes(8)
+    w._buf[row:row + 8] = bytes(8)
 
 
 def test_second_writer_on_a_live_name(store, name: str) -> None:
     with pytest.raises(SegmentExists, match="live writer"):
-        ObjectStore.create(name, capacity=4096, n_readers=1)
+        ObjectStore.create(name, capacity_bytes=4096, n_readers=1)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"capacity": 10, "n_readers": 1}, "capacity"), ({"capacity": 4096, "n_readers": -1}, "n_readers"),
-     ({"capacity": 4096, "n_readers": 1, "max_object_size": 10**9}, "max_object_size"),
-     ({"capacity": 4096, "n_readers": 1, "policy": "lfu"}, "policy")],
+    [({"capacity_bytes": 10, "n_readers": 1}, "capacity"),
+     ({"capacity_bytes": 4096, "n_readers": -1}, "n_readers"),
+     ({"capacity_bytes": 4096, "n_readers": 1, "max_object_bytes": 10**9}, "max_object_bytes"),
+     ({"capacity_bytes": 4096, "n_readers": 1, "policy": "lfu"}, "policy")],
 )
 def test_bad_create_arguments(name: str, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -260,7 +266,7 @@ def test_bad_create_arguments(name: str, kwargs: dict, match: str) -> None:
 
 
 def test_closed_store_stays_closed(name: str) -> None:
-    w = ObjectStore.create(name, capacity=4096, n_readers=1)
+    w = ObjectStore.create(name, capacity_bytes=4096, n_readers=1)
     r = ObjectStore.attach(name, reader=0)
     h = w.put("k", 1)
     r.close()
@@ -283,7 +289,7 @@ def test_reader_slot_is_freed_on_close_and_reusable(store, name: str) -> None:
 
 
 def test_zero_readers_reclaims_at_once(name: str) -> None:
-    with ObjectStore.create(name, capacity=64 * KIB, n_readers=0) as w:
+    with ObjectStore.create(name, capacity_bytes=64 * KIB, n_readers=0) as w:
         for i in range(20):
             w.put(f"k{i}", blob(i, 20 * KIB))
         assert w.stats().evictions > 0

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from shmstore import ObjectStore
+from tests._names import ObjectStore
 
 from .workers import checksum, reader_main
 
@@ -31,7 +31,7 @@ def run_pipeline(name: str, n_readers: int, n_objects: int, min_wraps: int,
                  use_torch: bool = False) -> None:
     rng = random.Random(n_readers)
     capacity = 1024 * KIB
-    with ObjectStore.create(name, capacity=capacity, n_readers=n_readers) as store:
+    with ObjectStore.create(name, capacity_bytes=capacity, n_readers=n_readers) as store:
         inboxes = [CTX.Queue() for _ in range(n_readers)]
         results = CTX.Queue()
         procs = [CTX.Process(target=reader_main, args=(name, r, inboxes[r], results), daemon=True)

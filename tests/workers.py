@@ -157,7 +157,7 @@ def channel_writer_main(name: str, big: bool, results: Any) -> None:
     from shmstore import Channel
 
     base = np.random.default_rng(1).integers(0, 2**63, 1 << 20, dtype=np.uint64)  # 8 MiB
-    with Channel.create(name, n_readers=2, capacity=64 << 20, inline_threshold=4096) as ch:
+    with Channel.create(name, n_readers=2, capacity_bytes=64 << 20, inline_threshold=4096) as ch:
         results.put(("writer ready", 0))
         ch.wait_for_readers(timeout=60)
         i = 0

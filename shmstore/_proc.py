@@ -1,0 +1,76 @@
+"""Process facts the layers share: is a pid alive, and has this process forked since?
+
+Pids read from shared memory are untrusted: anything outside 1..PID_MAX_LIMIT is reported as
+"no such process" instead of reaching os.kill (which raises OverflowError on large values).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any
+
+from .errors import InvalidArgument
+
+__all__ = ["PID_MAX_LIMIT", "pid_alive", "fork_generation", "int_arg", "number_arg"]
+
+PID_MAX_LIMIT = 1 << 22  # Linux's hard ceiling for pid_max (4194304); larger pids cannot exist
+
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fork_generation() -> int:
+    """A number that changes in a child each time this process forks."""
+    return _fork_generation
+
+
+def pid_alive(pid: int) -> bool:
+    """Say whether a process with this pid exists (in this pid namespace); False for pids that
+    cannot exist (damaged words)."""
+    if not 0 < pid <= PID_MAX_LIMIT:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def int_arg(value: Any, argument: str, low: int, high: int) -> int:
+    """Return `value` as an int in [low, high] (numpy ints accepted, bools not).
+
+    Raises:
+        InvalidArgument: naming the argument, its range and what was given.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{argument} must be an int in [{low}, {high}], got "
+                              f"{type(value).__name__} {value!r:.60}", argument, value) from None
+    if not low <= number <= high:
+        raise InvalidArgument(f"{argument} must be an int in [{low}, {high}], got {number}",
+                              argument, value)
+    return number
+
+
+def number_arg(value: Any, argument: str, *, allow_none: bool) -> float | None:
+    """Return a non-negative finite number of seconds (or None where allowed)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e12:
+        none = " or None (wait without limit)" if allow_none else ""
+        raise InvalidArgument(f"{argument} must be a number of seconds >= 0{none}, got "
+                              f"{value!r:.60}", argument, value)
+    return float(value)

@@ -1,0 +1,506 @@
+"""StoreWriter: the single writer of an object store (see store.py for the whole picture).
+
+Delivery without locks: the writer records, in its own memory, each hand-out of an object (put
+once, then once per get_cached, minus give_back), numbered by a store-wide hand-out sequence.
+Each reader counts, in a word of the object's header that only it writes, how often it finished
+reading the object. The writer reclaims an object only when every reader that owes reads (see
+_readers.py: NEVER rows owe everything, GONE rows nothing, a replacement only what was handed out
+after it attached) has read it as often as it was handed out to it, and no reader is inside it
+(pins, _store_layout.py).
+
+Exception safety: an exception may surface between any two statements (a signal handler that
+raises, a KeyboardInterrupt). Every writer operation is written so that each prefix of it is a
+state the next operation accepts: a chunk the ring holds but no object owns is freed on the next
+reclaim; an entry marked not live is dropped from the index by the next lookup; a hand-out whose
+handle never reached the caller is taken back. The writer never re-reads from shared memory what
+it wrote (chunk sizes, seqs, key digests live in its own records), so damaged shared bytes can
+mislead readers (who fail loudly) but not the writer; a damaged object that blocks the writer is
+dropped and counted (damaged_objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._closeable import CallGuard
+from ._readers import ATTACHED, NEVER, Liveness
+from ._store_layout import (
+    COUNT_MASK,
+    MAX_PINS,
+    META_HANDOUT_SEQ,
+    OBJECT_HEADER,
+    ROW_ATTACH_HANDOUT,
+    ROW_CORRUPT_READS,
+    ROW_PIN_MASK,
+    ROW_PINS,
+    U64,
+    StoreBase,
+    StoreStats,
+)
+from ._wait import Deadline, wait_until
+from .errors import KeyExists, KeyNotCached, ObjectTooLarge, StaleHandle, StoreFull, Timeout
+from .handle import Handle, check_key, key_digest
+from .policy import EvictionPolicy
+from .ring import Chunk, RingWriter
+from .serde import Encoded, encode
+
+__all__ = ["StoreWriter"]
+
+log = logging.getLogger("shmstore")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """The writer's record of one object."""
+
+    key: str | bytes
+    handle: Handle
+    chunk: Chunk
+    nbytes: int  # serialized body size
+    crc: int  # structure CRC as written
+    handouts: list[int] = field(default_factory=list)  # hand-out numbers not yet taken back
+    hit: bool = False  # handed out again since it was (re)written
+    live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
+
+
+class StoreWriter(StoreBase):
+    """The single writer: put, get_cached, give_back, clear, stats. Keeps the key index.
+
+    Only the process that created the store may call it. Handles it returns stay valid until
+    every reader has read them as often as they were handed out and the space is needed, or
+    until clear().
+    """
+
+    def __init__(self, ring: RingWriter, policy: EvictionPolicy) -> None:
+        super().__init__(ring)
+        import os
+
+        self._writer_ring = ring
+        self._policy = policy
+        self._guard = CallGuard(f"store {self.name!r} (writer)", os.getpid())
+        self._liveness = Liveness(self._table)
+        self._index: dict[str | bytes, _Entry] = {}
+        self._by_seq: dict[int, _Entry] = {}
+        self._handout_seq = 0
+        self._budget = 0
+        self._puts = self._hits = self._evictions = self._give_backs = self._full_events = 0
+        self._reinsertions = self._bytes_reinserted = self._damaged = 0
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
+        """Store `obj` under `key` and hand it out once; return its Handle.
+
+        One copy: each array/tensor is copied from its own memory straight into the ring.
+
+        Args:
+            timeout: how long to wait for readers when the store is full: 0 (the default) does
+                not wait, None waits without limit, t waits up to t seconds.
+
+        Raises:
+            KeyExists: `key` is cached (use get_cached).
+            ObjectTooLarge: the serialized object exceeds max_object_bytes.
+            NotSerializable: `obj` holds something the serializer cannot carry (with its path).
+            StoreFull: the oldest object is still owed to a reader (named in the message).
+        """
+        check_key(key)
+        return self.put_encoded(key, encode(obj), timeout)
+
+    def put_encoded(self, key: str | bytes, enc: Encoded, timeout: float | None = 0) -> Handle:
+        """put() of a value already encoded with serde.encode (no second walk over it)."""
+        done: list[tuple[_Entry, int]] = []
+        try:
+            self._guard_enter()
+            try:
+                return self._put(key, enc, Deadline(timeout), done)
+            finally:
+                self._guard_leave()
+        except BaseException:
+            self._undo(done)
+            raise
+
+    def get_cached(self, key: str | bytes) -> Handle:
+        """Hand the object of `key` out once more (one more read owed by every reader).
+
+        Raises:
+            KeyNotCached: the key was never put or has been evicted (put it again).
+        """
+        done: list[tuple[_Entry, int]] = []
+        try:
+            self._guard_enter()
+            try:
+                entry = self._lookup(key)
+                if entry is None:
+                    raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
+                                       "evicted or cleared): put it again", key)
+                self._hand_out(entry, done)
+                entry.hit = True
+                self._hits += 1
+                return entry.handle
+            finally:
+                self._guard_leave()
+        except BaseException:
+            self._undo(done)
+            raise
+
+    def is_cached(self, key: str | bytes) -> bool:
+        """Say whether `key` is in the store; no side effect."""
+        self._guard_check()
+        return self._lookup(key) is not None
+
+    def object_bytes(self, key: str | bytes) -> int:
+        """Serialized size of the cached object of `key`; KeyNotCached if it is not cached."""
+        self._guard_check()
+        entry = self._lookup(key)
+        if entry is None:
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r}", key)
+        return entry.nbytes
+
+    @property
+    def handout_seq(self) -> int:
+        """The number of the last hand-out (put or get_cached)."""
+        return self._handout_seq
+
+    def give_back(self, handle: Handle) -> None:
+        """Take back one hand-out of `handle` that no reader will read (an aborted request).
+
+        Raises:
+            StaleHandle: the object is gone, or has no hand-out left to take back.
+        """
+        self._guard_check()
+        self._check_handle(handle)
+        entry = self._by_seq.get(handle.seq)
+        if entry is None or not entry.live or entry.handle != handle:
+            raise StaleHandle(f"handle {handle} names no live object in store {self.name!r}; "
+                              "it was reclaimed or cleared already", handle, self.name)
+        if not entry.handouts:
+            raise StaleHandle(f"handle {handle} has no hand-out left to give back in store "
+                              f"{self.name!r}; give each hand-out back at most once",
+                              handle, self.name)
+        self._give_backs += 1
+        entry.handouts.pop()  # last: if this line ran, the give-back is done
+
+    def clear(self) -> None:
+        """Drop every object: every handle issued before now becomes stale.
+
+        A reader already inside an object (get or view in progress) finishes with the bytes it
+        started with: their space is reused only after it leaves.
+        """
+        self._guard_enter()
+        try:
+            ring = self._writer_ring
+            for chunk in ring:
+                entry = chunk.owner
+                if entry is not None and entry.live:
+                    self._drop(entry)
+                    self._evictions += 1
+            self._index.clear()
+            for chunk in ring:
+                if not chunk.tombstoned:
+                    ring.tombstone(chunk)
+            while (oldest := ring.oldest()) is not None and not self._pinned_by(oldest.seq):
+                ring.pop_oldest(oldest)
+        finally:
+            self._guard_leave()
+
+    def wait_for_readers(self, timeout: float | None = None) -> None:
+        """Block until every reader index is attached.
+
+        Raises:
+            Timeout: naming the readers that did not attach in time.
+        """
+        table = self._table
+        self._guard_enter()
+        try:
+            if not wait_until(lambda: all(table.ready(r) for r in range(self.n_readers)),
+                              Deadline(timeout), check=self._guard_check):
+                missing = tuple(r for r in range(self.n_readers) if not table.ready(r))
+                raise Timeout(f"store {self.name!r}: reader(s) {list(missing)} did not attach "
+                              f"within {timeout} s; start them, or check the name they use",
+                              timeout, missing)
+        finally:
+            self._guard_leave()
+
+    def stats(self) -> StoreStats:
+        """Return counters and what each reader owes; O(objects x readers)."""
+        self._guard_check()
+        lag = [0] * self.n_readers
+        objects = 0
+        for chunk in self._writer_ring:
+            entry = chunk.owner
+            if entry is None or not entry.live:
+                continue
+            objects += 1
+            for r, owed in enumerate(self._owed(entry, force=False)):
+                lag[r] += owed
+        table = self._table
+        words = self._words
+        return StoreStats(
+            name=self.name, policy=self.policy, capacity_bytes=self.capacity_bytes,
+            max_object_bytes=self.max_object_bytes, n_readers=self.n_readers,
+            bytes_in_use=self._writer_ring.used_bytes, objects=objects, puts=self._puts,
+            hits=self._hits, evictions=self._evictions, give_backs=self._give_backs,
+            full_events=self._full_events, reinsertions=self._reinsertions,
+            bytes_reinserted=self._bytes_reinserted, damaged_objects=self._damaged,
+            dead_readers=self._liveness.dead_readers, reader_lag=tuple(lag),
+            reader_pids=tuple(table.owner(r)[0] for r in range(self.n_readers)),
+            corrupt_reads=tuple(words.load_acquire(table.row(r) + ROW_CORRUPT_READS)
+                                for r in range(self.n_readers)),
+        )
+
+    def __len__(self) -> int:
+        return sum(1 for e in self._index.values() if e.live)
+
+    def close(self) -> None:
+        """Unlink the store now and unmap it once calls in flight in other threads have ended
+        (a blocked put raises SegmentClosed); idempotent."""
+        if self._guard is not None:
+            self._writer_ring.segment.unlink()
+            self._guard.close(self._writer_ring.close)
+
+    # -- guard shortcuts ---------------------------------------------------------------------
+
+    def _guard_enter(self) -> None:
+        assert self._guard is not None  # set in __init__; never None on a writer
+        self._guard.enter()
+
+    def _guard_leave(self) -> None:
+        assert self._guard is not None
+        self._guard.leave()
+
+    def _guard_check(self) -> None:
+        assert self._guard is not None
+        self._guard.check()
+
+    # -- put and hand-outs -------------------------------------------------------------------
+
+    def _lookup(self, key: str | bytes) -> _Entry | None:
+        check_key(key)
+        entry = self._index.get(key)
+        if entry is not None and not entry.live:
+            del self._index[key]  # left by a drop an exception cut short
+            return None
+        return entry
+
+    def _put(self, key: str | bytes, enc: Encoded, deadline: Deadline,
+             done: list[tuple[_Entry, int]]) -> Handle:
+        digest = key_digest(key)
+        if self._lookup(key) is not None:
+            raise KeyExists(f"key {key!r} is already in store {self.name!r}: hand it out again "
+                            "with get_cached(key), or check is_cached(key) first", key)
+        if enc.nbytes > self.max_object_bytes:
+            raise ObjectTooLarge(
+                f"object for key {key!r} is {enc.nbytes} bytes serialized, "
+                f"{enc.nbytes - self.max_object_bytes} bytes above the max_object_bytes of store "
+                f"{self.name!r} ({self.max_object_bytes}): send it another way or create the "
+                "store with a larger max_object_bytes", enc.nbytes, self.max_object_bytes)
+        chunk = self._make_room(self._header_bytes + enc.nbytes, deadline)
+        # From here until chunk.owner is set the chunk is an orphan: if we stop, it is freed.
+        payload = self._writer_ring.payload(chunk)
+        crc = zlib.crc32(U64.pack(enc.nbytes), enc.structure_crc)
+        OBJECT_HEADER.pack_into(payload, 0, digest, enc.nbytes, crc)
+        payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
+        enc.write_into(payload[self._header_bytes:])
+        entry = _Entry(key, Handle(chunk.address, chunk.seq, digest, self.epoch), chunk,
+                       enc.nbytes, crc)
+        chunk.owner = entry
+        self._by_seq[chunk.seq] = entry
+        self._index[key] = entry
+        self._puts += 1
+        self._hand_out(entry, done)
+        return entry.handle
+
+    def _hand_out(self, entry: _Entry, done: list[tuple[_Entry, int]]) -> None:
+        number = self._handout_seq + 1
+        done.append((entry, number))
+        entry.handouts.append(number)
+        self._handout_seq = number
+        # Full barrier: a reader attaching now publishes its row, then reads this number; one of
+        # the two sides sees the other (see store.StoreReader attach).
+        self._words.exchange(self._meta + META_HANDOUT_SEQ, number)
+
+    @staticmethod
+    def _undo(done: list[tuple[_Entry, int]]) -> None:
+        """Take back hand-outs whose handle never reached the caller."""
+        for entry, number in done:
+            if number in entry.handouts:
+                entry.handouts.remove(number)
+
+    # -- reclaiming space --------------------------------------------------------------------
+
+    def _make_room(self, payload_bytes: int, deadline: Deadline) -> Chunk:
+        ring = self._writer_ring
+        self._budget = self._policy.copy_budget(ring.chunk_bytes_for(payload_bytes))
+        counted = force = False
+        while True:
+            blockers: tuple[int, ...] = ()
+            while not ring.fits(payload_bytes):
+                if ring.oldest() is None:
+                    raise StoreFull(f"store {self.name!r} cannot hold {payload_bytes} bytes even "
+                                    f"when empty (capacity {self.capacity_bytes} bytes); create "
+                                    "a larger store", payload_bytes, self.capacity_bytes)
+                blockers = self._reclaim_oldest(force)
+                if blockers:
+                    break
+            else:
+                return ring.allocate(payload_bytes)
+            if not force:  # blocked: are the readers we wait for alive, is the object intact?
+                force = True
+                continue
+            if not counted:
+                self._full_events += 1
+                counted = True
+            if deadline.expired() or not wait_until(self._oldest_free, deadline,
+                                                    check=self._guard_check):
+                raise self._full_error(payload_bytes, deadline, blockers)
+            force = False
+
+    def _oldest_free(self) -> bool:
+        """Whether the oldest chunk could be reclaimed now (for waiting)."""
+        oldest = self._writer_ring.oldest()
+        if oldest is None:
+            return True
+        entry = oldest.owner
+        if entry is not None and entry.live and any(self._owed(entry, force=False)):
+            return False
+        return not self._pinned_by(oldest.seq) if oldest.tombstoned else True
+
+    def _reclaim_oldest(self, force: bool) -> tuple[int, ...]:
+        """Free (or, if the policy keeps it, move to the head) the oldest chunk; return the
+        readers that block it, () when it went."""
+        ring = self._writer_ring
+        chunk = ring.oldest()
+        assert chunk is not None  # the caller checked
+        entry = chunk.owner
+        if entry is not None and entry.live:
+            owed = self._owed(entry, force)
+            if any(owed):
+                if not (force and self._damaged_in_shm(entry)):
+                    return tuple(r for r, n in enumerate(owed) if n)
+                log.warning("store %r: object seq %d (key %r) is damaged in shared memory and "
+                            "cannot be read; dropping it", self.name, chunk.seq, entry.key)
+                self._damaged += 1
+                self._drop(entry)
+            elif self._policy.keep(entry.hit, chunk.chunk_bytes, self._budget):
+                return self._reinsert(entry)
+            else:
+                self._drop(entry)
+                self._evictions += 1
+        if not chunk.tombstoned:
+            ring.tombstone(chunk)
+        pinned = self._pinned_by(chunk.seq)
+        if pinned:
+            return pinned
+        ring.pop_oldest(chunk)
+        return ()
+
+    def _drop(self, entry: _Entry) -> None:
+        entry.live = False  # first: lookups now ignore it, whatever happens next
+        if self._index.get(entry.key) is entry:
+            del self._index[entry.key]
+        if self._by_seq.get(entry.chunk.seq) is entry:
+            del self._by_seq[entry.chunk.seq]
+
+    def _reinsert(self, entry: _Entry) -> tuple[int, ...]:
+        """Copy a fully read object from the tail to the head; its old handles become stale."""
+        ring = self._writer_ring
+        old = entry.chunk
+        entry.live = False  # until committed at the new place
+        saved = bytes(ring.payload(old))  # the new chunk may overlap the old one
+        ring.tombstone(old)
+        pinned = self._pinned_by(old.seq)
+        if pinned:  # a reader is inside it beyond its hand-outs: drop it instead
+            self._drop(entry)
+            self._evictions += 1
+            return pinned
+        ring.pop_oldest(old)
+        if self._by_seq.get(old.seq) is entry:
+            del self._by_seq[old.seq]
+        if not ring.fits(len(saved)):
+            self._drop(entry)
+            self._evictions += 1
+            return ()
+        new = ring.allocate(len(saved))
+        payload = ring.payload(new)
+        payload[:] = saved
+        payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
+        entry.chunk = new
+        entry.handle = Handle(new.address, new.seq, entry.handle.key_digest, self.epoch)
+        entry.handouts = []
+        entry.hit = False
+        new.owner = entry
+        self._by_seq[new.seq] = entry
+        entry.live = True
+        self._budget -= new.chunk_bytes
+        self._reinsertions += 1
+        self._bytes_reinserted += new.chunk_bytes
+        return ()
+
+    def _owed(self, entry: _Entry, force: bool) -> list[int]:
+        """Reads each reader still owes on `entry`."""
+        n = self.n_readers
+        handouts = entry.handouts
+        if not handouts:
+            return [0] * n
+        words = self._words
+        table = self._table
+        address = entry.chunk.address
+        owed = [0] * n
+        for r in range(n):
+            status, generation = self._liveness.status(r, force)
+            if status == NEVER:
+                owed[r] = len(handouts)
+                continue
+            if status != ATTACHED:
+                continue
+            after = words.load_acquire(table.row(r) + ROW_ATTACH_HANDOUT)
+            count = len(handouts) if handouts[0] > after else sum(h > after for h in handouts)
+            if count:
+                word = words.load_acquire(self._counter(address, r))
+                reads = word & COUNT_MASK if word >> 32 == generation else 0
+                owed[r] = max(0, count - reads)
+        return owed
+
+    def _pinned_by(self, seq: int) -> tuple[int, ...]:
+        """Attached readers that are inside the chunk `seq` now."""
+        words = self._words
+        table = self._table
+        inside = []
+        for r in range(self.n_readers):
+            row = table.row(r)
+            mask = words.load_acquire(row + ROW_PIN_MASK)
+            if not mask:
+                continue
+            if self._liveness.status(r)[0] != ATTACHED:
+                continue
+            for i in range(MAX_PINS):
+                if mask >> i & 1 and words.load_acquire(row + ROW_PINS + 8 * i) == seq:
+                    inside.append(r)
+                    break
+        return tuple(inside)
+
+    def _damaged_in_shm(self, entry: _Entry) -> bool:
+        """Whether the chunk or object header in shared memory differs from what was written."""
+        ring = self._writer_ring
+        if not ring.header_intact(entry.chunk):
+            return True
+        digest, nbytes, crc = OBJECT_HEADER.unpack_from(ring.payload(entry.chunk), 0)
+        return (digest, nbytes, crc) != (entry.handle.key_digest, entry.nbytes, entry.crc)
+
+    def _full_error(self, payload_bytes: int, deadline: Deadline,
+                    blockers: tuple[int, ...]) -> StoreFull:
+        oldest = self._writer_ring.oldest()
+        entry = oldest.owner if oldest is not None else None
+        waited = f" after waiting {deadline.timeout_s} s" if deadline.timeout_s else ""
+        what = (f"the oldest object (key {entry.key!r}, handed out {len(entry.handouts)} times) "
+                "is still owed to" if entry is not None and entry.live
+                else "the oldest object is still being read by")
+        return StoreFull(
+            f"store {self.name!r} is full{waited}: {payload_bytes} bytes needed, "
+            f"{self._writer_ring.used_bytes} of {self.capacity_bytes} in use, and {what} "
+            f"reader(s) {list(blockers)}. Have them read it (or give_back() its handle), pass a "
+            "timeout to put(), or create a larger store",
+            payload_bytes, self.capacity_bytes, blockers)

@@ -1,0 +1,11 @@
+"""Every name the tests use, public or from a lower layer, in one import place."""
+
+from shmstore import *  # noqa: F403
+from shmstore import __all__ as _public
+from shmstore.errors import BadMagic, InvalidName, SegmentTooSmall, VersionMismatch, WrongSegmentKind
+from shmstore.ring import RingWriter, ShmRingBuffer
+from shmstore.segment import Segment
+from shmstore.serde import decode, encode
+
+__all__ = [*_public, "BadMagic", "InvalidName", "SegmentTooSmall", "VersionMismatch",
+           "WrongSegmentKind", "RingWriter", "ShmRingBuffer", "Segment", "decode", "encode"]
