@@ -33,14 +33,18 @@ def test_reader_killed_inside_a_view_stops_pinning_objects(name: str) -> None:
     store = ObjectStore.create(name, capacity_bytes=4 << 20, n_readers=2)
     queue = BroadcastQueue.create(name + "-q", n_readers=2, slot_bytes=256, n_slots=16)
     results = CTX.Queue()
+    # The victim reports on a queue of its own: killed right after a put, its feeder thread may
+    # die holding that queue's cross-process lock, which would block every later put on it.
+    victim_results = CTX.Queue()
     survivor = CTX.Process(target=crash_reader_main, args=(name, name + "-q", 0, results, False))
-    victim = CTX.Process(target=crash_reader_main, args=(name, name + "-q", 1, results, True))
+    victim = CTX.Process(target=crash_reader_main,
+                         args=(name, name + "-q", 1, victim_results, True))
     replacement = None
     try:
         for p in (survivor, victim):
             p.start()
         expect(results, "attached")
-        expect(results, "attached")
+        expect(victim_results, "attached")
         rng = np.random.default_rng(0)
         base = rng.integers(0, 2**63, 1 << 17, dtype=np.uint64)  # 1 MiB
         sent = 0
@@ -52,7 +56,7 @@ def test_reader_killed_inside_a_view_stops_pinning_objects(name: str) -> None:
 
         send(0)
         sent += 1
-        expect(results, "in view")  # the victim now holds a view of object 0
+        expect(victim_results, "in view")  # the victim now holds a view of object 0
         victim.kill()
         killed_at = time.monotonic()
         victim.join(timeout=30)
