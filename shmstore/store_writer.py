@@ -21,6 +21,7 @@ dropped and counted (damaged_objects).
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,8 +77,6 @@ class StoreWriter(StoreBase):
 
     def __init__(self, ring: RingWriter, policy: EvictionPolicy) -> None:
         super().__init__(ring)
-        import os
-
         self._writer_ring = ring
         self._policy = policy
         self._guard = CallGuard(f"store {self.name!r} (writer)", os.getpid())

@@ -20,7 +20,6 @@ import msgpack
 import numpy as np
 import pytest
 
-import shmstore.segment
 from shmstore._store_layout import ROW_PIN_MASK
 from shmstore.broadcast import META_WRITE_SEQ
 from shmstore.cli import list_segments
@@ -177,7 +176,7 @@ def test_3_deep_tuples_decode_without_recursion_and_too_deep_is_corrupt() -> Non
     with pytest.raises(CorruptObject, match="tuple mark"):
         decode(misplaced)
     with pytest.raises(NotSerializable, match="nested deeper"):
-        encode((legal,) * 1 if False else _nest(101))
+        encode(_nest(101))
 
 
 def loads_roundtrip(value: Any) -> Any:
@@ -212,9 +211,11 @@ def test_4_close_from_another_thread_wakes_blocked_calls_with_segment_closed(nam
     r = BroadcastQueue.attach(name, 0)
     result, waited = _closes_during(lambda: r.get(timeout=30), r.close)
     assert isinstance(result, SegmentClosed) and waited < 1
+    idle = BroadcastQueue.attach(name, 0)  # attached, never reads: the second put must block
     q.put(1)
-    result, waited = _closes_during(lambda: q.put(2, timeout=30), q.close)  # full: reader gone?
-    assert isinstance(result, (SegmentClosed, type(None))) and waited < 1
+    result, waited = _closes_during(lambda: q.put(2, timeout=30), q.close)
+    assert isinstance(result, SegmentClosed) and waited < 1
+    idle.close()
     w = ObjectStore.create(name + "-s", 16 * KIB, n_readers=1)
     rs = ObjectStore.attach(name + "-s", 0)
     w.put("a", np.zeros(10 * KIB, np.uint8))
@@ -662,11 +663,8 @@ def test_17_no_space_for_a_semaphore_is_a_shm_space_error(name: str, monkeypatch
 
 def test_18_odd_inputs_get_specific_errors(name: str) -> None:
     torch = pytest.importorskip("torch")
-    body = bytearray(dumps({"t": torch.zeros(0, 2)}))
-    good = decode(memoryview(bytes(body)))
+    good = decode(memoryview(dumps({"t": torch.zeros(0, 2)})))
     assert tuple(good["t"].shape) == (0, 2)
-    forged = dumps({"t": torch.zeros(0, 2)}).replace(msgpack.packb([0, 2]), msgpack.packb([0, 2**40]))
-    forged = forged.replace(msgpack.packb([0, 2**40])[:1], msgpack.packb([0, 2**40])[:1])
     structure = msgpack.packb(msgpack.ExtType(2, msgpack.packb(["float32", [0, 2**40, 2**40], 0])))
     header = BODY_HEADER.pack(BODY_MAGIC, 1, len(structure))
     table = (64).to_bytes(8, "little") + (0).to_bytes(8, "little")
@@ -710,5 +708,3 @@ def test_pins_are_given_back_after_every_kind_of_read(name: str) -> None:
         assert w._words.load_acquire(row + ROW_PIN_MASK) == 0
         r.close()
 
-
-_ = shmstore.segment  # the module the crash test patches in a child
