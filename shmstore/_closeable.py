@@ -44,13 +44,19 @@ class Closeable:
 
 
 class CallGuard:
-    """Counts calls in flight on one owner; runs the owner's release after the last one."""
+    """Counts calls in flight on one owner; runs the owner's release after the last one.
+
+    The fast path takes no lock: entering appends to a list and leaving pops from it, each one
+    atomic under the GIL, so a call's count is visible before it reads `_closing`, and close()
+    sets `_closing` before it counts calls. Whichever of a leaving call and close() looks last
+    sees the other and runs the release, once (taken out under the lock).
+    """
 
     __slots__ = ("_calls", "_closing", "_fork_generation", "_lock", "_pid", "_release", "_what")
 
     def __init__(self, what: str, pid: int) -> None:
         self._lock = threading.RLock()  # re-entrant: a signal handler may close mid-call
-        self._calls = 0
+        self._calls: list[None] = []
         self._closing = False
         self._release: Callable[[], None] | None = None
         self._what = what
@@ -65,33 +71,31 @@ class CallGuard:
         """Start a call; raise SegmentClosed once close() began, WrongProcess after a fork."""
         if self._fork_generation != fork_generation():
             raise self._forked_error()
-        with self._lock:
-            self._calls += 1
-            if self._closing:
-                self._leave_locked()
-                raise self.closed_error()
+        self._calls.append(None)
+        if self._closing:
+            self.leave()
+            raise self.closed_error()
 
     def leave(self) -> None:
         """End a call; the last call out after close() runs the release."""
-        with self._lock:
-            self._leave_locked()
-
-    def _leave_locked(self) -> None:
-        self._calls -= 1
-        if self._calls == 0 and self._release is not None:
-            release, self._release = self._release, None
-            release()
+        self._calls.pop()
+        if self._closing:
+            self._release_if_idle()
 
     def close(self, release: Callable[[], None]) -> None:
         """Mark closing; run `release` now, or when the calls in flight have left. Idempotent."""
         with self._lock:
             if self._closing:
                 return
+            self._release = release
             self._closing = True
-            if self._calls == 0:
+            self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        with self._lock:
+            if not self._calls and self._release is not None:
+                release, self._release = self._release, None
                 release()
-            else:
-                self._release = release
 
     def check(self) -> None:
         """Raise SegmentClosed if close() began, WrongProcess in a forked child."""

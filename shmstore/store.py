@@ -163,6 +163,8 @@ class StoreReader(StoreBase):
 
         self.reader, self.generation = self._table.attach(reader, self, prepare, settle)
         self._row = self._table.row(self.reader)
+        self._mask_word = self._row + ROW_PIN_MASK
+        self._pin_words = [self._row + ROW_PINS + 8 * i for i in range(MAX_PINS)]
         self._reads = words.load_acquire(self._row + ROW_TOTAL_READS)
         self._corrupt_reads = words.load_acquire(self._row + ROW_CORRUPT_READS)
         self._guard = CallGuard(f"store {self.name!r} reader {self.reader}", os.getpid())
@@ -188,12 +190,13 @@ class StoreReader(StoreBase):
         guard = self._guard_enter()
         try:
             pin = self._pin(handle)
+            done = None
             try:
                 obj = self._decode(handle, copy=True)
-                self._count_read(handle, corrupt=False)
+                done = handle
                 return obj
             finally:
-                self._unpin(pin)
+                self._unpin(pin, done)
         finally:
             guard.leave()
 
@@ -208,15 +211,16 @@ class StoreReader(StoreBase):
         guard = self._guard_enter()
         try:
             pin = self._pin(handle)
+            done = None
             try:
                 obj = self._decode(handle, copy=False)
                 try:
                     yield obj
                 finally:
                     del obj
-                    self._count_read(handle, corrupt=False)
+                    done = handle
             finally:
-                self._unpin(pin)
+                self._unpin(pin, done)
         finally:
             guard.leave()
 
@@ -229,11 +233,12 @@ class StoreReader(StoreBase):
         guard = self._guard_enter()
         try:
             pin = self._pin(handle)
+            done = None
             try:
                 self._reader_ring.header(handle.address, handle.seq)
-                self._count_read(handle, corrupt=False)
+                done = handle
             finally:
-                self._unpin(pin)
+                self._unpin(pin, done)
         finally:
             guard.leave()
 
@@ -268,16 +273,19 @@ class StoreReader(StoreBase):
                     "open; leave one before opening another", "handle", handle)
             index = self._pins_free.pop()
             self._pin_bits |= 1 << index
-            words.store_release(self._row + ROW_PIN_MASK, self._pin_bits)
-        words.exchange(self._row + ROW_PINS + 8 * index, handle.seq)
+            words.store_release(self._mask_word, self._pin_bits)
+        words.exchange(self._pin_words[index], handle.seq)
         return index
 
-    def _unpin(self, index: int) -> None:
+    def _unpin(self, index: int, done: Handle | None) -> None:
+        """Count one read of `done` (if given), then leave the pinned chunk: in this order."""
         words = self._words
-        words.store_release(self._row + ROW_PINS + 8 * index, 0)
         with self._lock:
+            if done is not None:
+                self._count_read(done, corrupt=False)
+            words.store_release(self._pin_words[index], 0)
             self._pin_bits &= ~(1 << index)
-            words.store_release(self._row + ROW_PIN_MASK, self._pin_bits)
+            words.store_release(self._mask_word, self._pin_bits)
             self._pins_free.append(index)
 
     def _decode(self, handle: Handle, copy: bool) -> Any:
@@ -289,7 +297,8 @@ class StoreReader(StoreBase):
             raise StaleHandle(str(exc), handle, self.name) from None
         except CorruptObject as exc:
             if ring.valid_address(handle.address):  # a damaged chunk header: give it up
-                self._count_read(handle, corrupt=True)
+                with self._lock:
+                    self._count_read(handle, corrupt=True)
             raise CorruptObject(str(exc), self.name) from None
         start = handle.address + ALIGN_BYTES
         digest, body_bytes, crc = OBJECT_HEADER.unpack_from(self._buf, start)
@@ -305,24 +314,24 @@ class StoreReader(StoreBase):
             return decode(self._buf[body:body + body_bytes], copy=copy, expected_crc=crc,
                           crc_suffix=U64.pack(body_bytes))
         except CorruptObject as exc:
-            self._count_read(handle, corrupt=True)
+            with self._lock:
+                self._count_read(handle, corrupt=True)
             raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} is damaged "
                                 f"and was given up: {exc}", self.name) from None
 
     def _count_read(self, handle: Handle, corrupt: bool) -> None:
-        """Count one read of the pinned object, unless clear() dropped it meanwhile."""
+        """Count one read of the pinned object, unless clear() dropped it meanwhile (hold _lock)."""
         words = self._words
         if words.load_acquire(handle.address) != handle.seq:
             return  # tombstoned while we read it: the bytes were ours, but nothing is owed now
         counter = self._counter(handle.address, self.reader)
         generation = self.generation
-        with self._lock:
-            word = words.load_acquire(counter)
-            reads = word & COUNT_MASK if word >> 32 == generation else 0
-            words.store_release(counter, generation << 32 | ((reads + 1) & COUNT_MASK))
-            self._reads += 1
-            words.store_release(self._row + ROW_TOTAL_READS, self._reads)
-            if corrupt:
-                self._corrupt_reads += 1
-                words.store_release(self._row + ROW_CORRUPT_READS, self._corrupt_reads)
+        word = words.load_acquire(counter)
+        reads = word & COUNT_MASK if word >> 32 == generation else 0
+        words.store_release(counter, generation << 32 | ((reads + 1) & COUNT_MASK))
+        self._reads += 1
+        words.store_release(self._row + ROW_TOTAL_READS, self._reads)
+        if corrupt:
+            self._corrupt_reads += 1
+            words.store_release(self._row + ROW_CORRUPT_READS, self._corrupt_reads)
 
