@@ -53,15 +53,16 @@ import struct
 from dataclasses import dataclass
 
 from ._closeable import CallGuard, Closeable
-from ._readers import ROW_HEAD_BYTES, ReaderTable
+from ._ordering import OrderedWords
+from ._readers import ATTACHED, NEVER, ROW_HEAD_BYTES, Liveness, ReaderTable
 from .errors import IncompatibleSegment, InvalidHandle, StaleHandle
 from .handle import Handle
 from .policy import POLICY_IDS
 from .ring import ShmRingBuffer
 from .segment import ALIGN_BYTES, SEGMENT_HEADER, align_up
 
-__all__ = ["STORE_META", "OBJECT_HEADER", "STORE_ROW", "StoreStats", "StoreBase",
-           "object_header_bytes"]
+__all__ = ["STORE_META", "OBJECT_HEADER", "STORE_ROW", "StoreStats", "StoreBase", "ReaderLedger",
+           "object_header_bytes", "counter_offset"]
 
 STORE_META = struct.Struct("<QI4xQ40x")
 STORE_ROW = struct.Struct("<QQQQQQ16x8Q")
@@ -81,6 +82,64 @@ U64 = struct.Struct("<Q")
 def object_header_bytes(n_readers: int) -> int:
     """Bytes before an object's body: the fixed header and one counter per reader."""
     return OBJECT_HEADER.size + align_up(8 * n_readers)
+
+
+def counter_offset(address: int, reader: int) -> int:
+    """Byte offset of `reader`'s read counter in the object at chunk `address`."""
+    return address + ALIGN_BYTES + OBJECT_HEADER.size + 8 * reader
+
+
+class ReaderLedger:
+    """The writer's reading of the reader rows: what each reader still owes on an object (its
+    counter against the hand-outs made after it attached) and which readers are inside a chunk
+    (its pins). Readers write these words; the writer only loads them."""
+
+    def __init__(self, words: OrderedWords, table: ReaderTable, liveness: Liveness) -> None:
+        self._words = words
+        self._table = table
+        self._liveness = liveness
+        self._n = table.n_readers
+
+    def owed(self, handouts: list[int], address: int, force: bool) -> list[int]:
+        """Reads each reader still owes on the object at `address`, handed out as numbered."""
+        n = self._n
+        if not handouts:
+            return [0] * n
+        words = self._words
+        table = self._table
+        owed = [0] * n
+        for r in range(n):
+            status, generation = self._liveness.status(r, force)
+            if status == NEVER:
+                owed[r] = len(handouts)
+                continue
+            if status != ATTACHED:
+                continue
+            after = words.load_acquire(table.row(r) + ROW_ATTACH_HANDOUT)
+            count = len(handouts) if handouts[0] > after else sum(h > after for h in handouts)
+            if count:
+                word = words.load_acquire(counter_offset(address, r))
+                reads = word & COUNT_MASK if word >> 32 == generation else 0
+                owed[r] = max(0, count - reads)
+        return owed
+
+    def pinned_by(self, seq: int) -> tuple[int, ...]:
+        """Attached readers that are inside the chunk `seq` now."""
+        words = self._words
+        table = self._table
+        inside = []
+        for r in range(self._n):
+            row = table.row(r)
+            mask = words.load_acquire(row + ROW_PIN_MASK)
+            if not mask:
+                continue
+            if self._liveness.status(r)[0] != ATTACHED:
+                continue
+            for i in range(MAX_PINS):
+                if mask >> i & 1 and words.load_acquire(row + ROW_PINS + 8 * i) == seq:
+                    inside.append(r)
+                    break
+        return tuple(inside)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +214,6 @@ class StoreBase(Closeable):
     def segment_bytes(self) -> int:
         """Shared memory the store reserved: its header, reader rows and ring."""
         return self._total_bytes
-
-    def _counter(self, address: int, reader: int) -> int:
-        """Byte offset of `reader`'s read counter in the object at chunk `address`."""
-        return address + ALIGN_BYTES + OBJECT_HEADER.size + 8 * reader
 
     def _check_handle(self, handle: Handle) -> None:
         if type(handle) is not Handle:

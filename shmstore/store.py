@@ -37,6 +37,7 @@ from ._store_layout import (
     U64,
     StoreBase,
     StoreStats,
+    counter_offset,
     object_header_bytes,
 )
 from .errors import CorruptObject, InvalidArgument, StaleHandle
@@ -324,7 +325,7 @@ class StoreReader(StoreBase):
         words = self._words
         if words.load_acquire(handle.address) != handle.seq:
             return  # tombstoned while we read it: the bytes were ours, but nothing is owed now
-        counter = self._counter(handle.address, self.reader)
+        counter = counter_offset(handle.address, self.reader)
         generation = self.generation
         word = words.load_acquire(counter)
         reads = word & COUNT_MASK if word >> 32 == generation else 0

@@ -27,17 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._closeable import CallGuard
-from ._readers import ATTACHED, NEVER, Liveness
+from ._readers import Liveness
 from ._store_layout import (
-    COUNT_MASK,
-    MAX_PINS,
     META_HANDOUT_SEQ,
     OBJECT_HEADER,
-    ROW_ATTACH_HANDOUT,
     ROW_CORRUPT_READS,
-    ROW_PIN_MASK,
-    ROW_PINS,
     U64,
+    ReaderLedger,
     StoreBase,
     StoreStats,
 )
@@ -81,6 +77,7 @@ class StoreWriter(StoreBase):
         self._policy = policy
         self._guard = CallGuard(f"store {self.name!r} (writer)", os.getpid())
         self._liveness = Liveness(self._table)
+        self._ledger = ReaderLedger(self._words, self._table, self._liveness)
         self._index: dict[str | bytes, _Entry] = {}
         self._by_seq: dict[int, _Entry] = {}
         self._handout_seq = 0
@@ -200,7 +197,7 @@ class StoreWriter(StoreBase):
             for chunk in ring:
                 if not chunk.tombstoned:
                     ring.tombstone(chunk)
-            while (oldest := ring.oldest()) is not None and not self._pinned_by(oldest.seq):
+            while (oldest := ring.oldest()) is not None and not self._ledger.pinned_by(oldest.seq):
                 ring.pop_oldest(oldest)
         finally:
             self._guard_leave()
@@ -365,7 +362,7 @@ class StoreWriter(StoreBase):
         entry = oldest.owner
         if entry is not None and entry.live and any(self._owed(entry, force=False)):
             return False
-        return not self._pinned_by(oldest.seq) if oldest.tombstoned else True
+        return not self._ledger.pinned_by(oldest.seq) if oldest.tombstoned else True
 
     def _reclaim_oldest(self, force: bool) -> tuple[int, ...]:
         """Free (or, if the policy keeps it, move to the head) the oldest chunk; return the
@@ -390,7 +387,7 @@ class StoreWriter(StoreBase):
                 self._evictions += 1
         if not chunk.tombstoned:
             ring.tombstone(chunk)
-        pinned = self._pinned_by(chunk.seq)
+        pinned = self._ledger.pinned_by(chunk.seq)
         if pinned:
             return pinned
         ring.pop_oldest(chunk)
@@ -410,7 +407,7 @@ class StoreWriter(StoreBase):
         entry.live = False  # until committed at the new place
         saved = bytes(ring.payload(old))  # the new chunk may overlap the old one
         ring.tombstone(old)
-        pinned = self._pinned_by(old.seq)
+        pinned = self._ledger.pinned_by(old.seq)
         if pinned:  # a reader is inside it beyond its hand-outs: drop it instead
             self._drop(entry)
             self._evictions += 1
@@ -440,46 +437,7 @@ class StoreWriter(StoreBase):
 
     def _owed(self, entry: _Entry, force: bool) -> list[int]:
         """Reads each reader still owes on `entry`."""
-        n = self.n_readers
-        handouts = entry.handouts
-        if not handouts:
-            return [0] * n
-        words = self._words
-        table = self._table
-        address = entry.chunk.address
-        owed = [0] * n
-        for r in range(n):
-            status, generation = self._liveness.status(r, force)
-            if status == NEVER:
-                owed[r] = len(handouts)
-                continue
-            if status != ATTACHED:
-                continue
-            after = words.load_acquire(table.row(r) + ROW_ATTACH_HANDOUT)
-            count = len(handouts) if handouts[0] > after else sum(h > after for h in handouts)
-            if count:
-                word = words.load_acquire(self._counter(address, r))
-                reads = word & COUNT_MASK if word >> 32 == generation else 0
-                owed[r] = max(0, count - reads)
-        return owed
-
-    def _pinned_by(self, seq: int) -> tuple[int, ...]:
-        """Attached readers that are inside the chunk `seq` now."""
-        words = self._words
-        table = self._table
-        inside = []
-        for r in range(self.n_readers):
-            row = table.row(r)
-            mask = words.load_acquire(row + ROW_PIN_MASK)
-            if not mask:
-                continue
-            if self._liveness.status(r)[0] != ATTACHED:
-                continue
-            for i in range(MAX_PINS):
-                if mask >> i & 1 and words.load_acquire(row + ROW_PINS + 8 * i) == seq:
-                    inside.append(r)
-                    break
-        return tuple(inside)
+        return self._ledger.owed(entry.handouts, entry.chunk.address, force)
 
     def _damaged_in_shm(self, entry: _Entry) -> bool:
         """Whether the chunk or object header in shared memory differs from what was written."""

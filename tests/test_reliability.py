@@ -541,8 +541,8 @@ def test_12_damaged_queue_slots_are_skipped_once_and_never_wedge(name: str) -> N
         r = BroadcastQueue.attach(name, 0)
         for i in range(3):
             q.put(i)
-        q._buf[q._slot(1)] ^= 0x55  # message 1's seq word
-        q._buf[q._slot(2) + 64] ^= 0x01  # message 2's payload: CRC mismatch
+        q._buf[q.slot(1)] ^= 0x55  # message 1's seq word
+        q._buf[q.slot(2) + 64] ^= 0x01  # message 2's payload: CRC mismatch
         with pytest.raises(CorruptObject, match="damaged"):
             r.get(timeout=1)
         with pytest.raises(CorruptObject, match="CRC"):
