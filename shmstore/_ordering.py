@@ -42,6 +42,7 @@ __all__ = ["OrderedWords", "ORDERING", "FULL_FENCE"]
 _ATOMIC_ACQUIRE = 2  # __ATOMIC_ACQUIRE
 _ATOMIC_RELEASE = 3  # __ATOMIC_RELEASE
 _ATOMIC_SEQ_CST = 5  # __ATOMIC_SEQ_CST
+_U64_MASK = (1 << 64) - 1  # values wrap: a counter loaded from damaged memory may be 2**64 - 1
 _TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 
@@ -108,11 +109,12 @@ class OrderedWords:
         return int(self._words[offset >> 3])  # type: ignore[index]
 
     def store_release(self, offset: int, value: int) -> None:
-        """Store `value` at byte `offset` (a multiple of 8) after all earlier accesses."""
+        """Store `value` (mod 2**64) at byte `offset` (a multiple of 8) after all earlier
+        accesses."""
         if _atomic_store is not None:
-            _atomic_store(self._base_address + offset, value, _ATOMIC_RELEASE)
+            _atomic_store(self._base_address + offset, value & _U64_MASK, _ATOMIC_RELEASE)
             return
-        self._words[offset >> 3] = value  # type: ignore[index]
+        self._words[offset >> 3] = value & _U64_MASK  # type: ignore[index]
 
     def exchange(self, offset: int, value: int) -> int:
         """Atomically swap in `value` at byte `offset` with a full barrier; return the old value.
@@ -120,9 +122,10 @@ class OrderedWords:
         Without libatomic this is a plain load and store (no barrier; see FULL_FENCE).
         """
         if _atomic_exchange is not None:
-            return int(_atomic_exchange(self._base_address + offset, value, _ATOMIC_SEQ_CST))
+            return int(_atomic_exchange(self._base_address + offset, value & _U64_MASK,
+                                        _ATOMIC_SEQ_CST))
         old = int(self._words[offset >> 3])  # type: ignore[index]
-        self._words[offset >> 3] = value  # type: ignore[index]
+        self._words[offset >> 3] = value & _U64_MASK  # type: ignore[index]
         return old
 
     def compare_exchange(self, offset: int, expected: int, value: int) -> bool:
@@ -132,11 +135,11 @@ class OrderedWords:
         """
         if _atomic_cas is not None:
             slot = ctypes.c_uint64(expected)
-            return bool(_atomic_cas(self._base_address + offset, ctypes.byref(slot), value,
-                                    _ATOMIC_SEQ_CST, _ATOMIC_SEQ_CST))
+            return bool(_atomic_cas(self._base_address + offset, ctypes.byref(slot),
+                                    value & _U64_MASK, _ATOMIC_SEQ_CST, _ATOMIC_SEQ_CST))
         if int(self._words[offset >> 3]) != expected:  # type: ignore[index]
             return False
-        self._words[offset >> 3] = value  # type: ignore[index]
+        self._words[offset >> 3] = value & _U64_MASK  # type: ignore[index]
         return True
 
     def release(self) -> None:

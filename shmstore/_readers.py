@@ -50,6 +50,11 @@ Scenarios (one row; W = the writer's view)::
                                                         at least every LIVENESS_CHECK_S, at once
                                                         when the writer is blocked)
 
+    6. damage sets owner to 0 after  owner 0            W: GONE, not NEVER: generations only
+       the writer saw generation 2                      grow, and the writer remembers what it
+                                                        saw (a row back at NEVER would be owed
+                                                        every hand-out forever)
+
 Liveness uses pids, so the writer and readers must share a pid namespace; a reused pid makes a
 dead reader look alive until its row is taken over.
 """
@@ -189,18 +194,27 @@ class Liveness:
         n = table.n_readers
         self._checked: list[tuple[int, float, bool]] = [(0, 0.0, True)] * n  # owner word, when, alive
         self._reported: set[tuple[int, int]] = set()  # (reader, generation) logged dead
+        self._seen = [False] * n  # a generation >= 1 was seen: the row can never be NEVER again
 
     @property
     def dead_readers(self) -> int:
         """Readers found dead since the writer started."""
         return len(self._reported)
 
+    def observe(self) -> None:
+        """Note every row that has been attached (wait_for_readers does, so that damage setting
+        a row back to generation 0 later is recognised)."""
+        for r in range(self.table.n_readers):
+            if self.table.owner(r)[1]:
+                self._seen[r] = True
+
     def status(self, reader: int, force: bool = False) -> tuple[int, int]:
         """(NEVER | ATTACHED | GONE, generation) of one row; pids re-checked every
         LIVENESS_CHECK_S, or now when `force`."""
         pid, generation = self.table.owner(reader)
         if generation == 0:
-            return NEVER, 0
+            return (GONE if self._seen[reader] else NEVER), 0
+        self._seen[reader] = True
         if pid == 0:
             return GONE, generation
         word = generation << 32 | pid

@@ -16,7 +16,10 @@ Store meta area (segment offset 64, after the segment header; little-endian)::
                     24  8   total_reads      reads this row finished, ever
                     32  8   corrupt_reads    objects this row gave up on (failed validation)
                     40  8   pin_mask         bit i set: pins[i] holds a seq
-                    48  16  reserved
+                    48  8   done_through     0, or: this reader takes its hand-outs in order
+                                             and is done with every one up to this number
+                                             (read, or lost with a damaged message)
+                    56  8   reserved
                     64  64  pins[8]          seqs of chunks this reader is inside of now
 
 Object layout (the payload of one ring chunk)::
@@ -65,7 +68,7 @@ __all__ = ["STORE_META", "OBJECT_HEADER", "STORE_ROW", "StoreStats", "StoreBase"
            "object_header_bytes", "counter_offset"]
 
 STORE_META = struct.Struct("<QI4xQ40x")
-STORE_ROW = struct.Struct("<QQQQQQ16x8Q")
+STORE_ROW = struct.Struct("<QQQQQQQ8x8Q")
 OBJECT_HEADER = struct.Struct("<16sQI36x")
 assert STORE_META.size == OBJECT_HEADER.size == ALIGN_BYTES and STORE_ROW.size == 2 * ALIGN_BYTES
 META_HANDOUT_SEQ = 16  # byte offsets inside the store meta area
@@ -73,6 +76,7 @@ ROW_ATTACH_HANDOUT = ROW_HEAD_BYTES  # byte offsets inside a reader row
 ROW_TOTAL_READS = ROW_HEAD_BYTES + 8
 ROW_CORRUPT_READS = ROW_HEAD_BYTES + 16
 ROW_PIN_MASK = ROW_HEAD_BYTES + 24
+ROW_DONE_THROUGH = ROW_HEAD_BYTES + 32
 ROW_PINS = 64
 MAX_PINS = 8  # views one reader may hold open at once (nested or in threads)
 COUNT_MASK = (1 << 32) - 1
@@ -115,7 +119,12 @@ class ReaderLedger:
                 continue
             if status != ATTACHED:
                 continue
-            after = words.load_acquire(table.row(r) + ROW_ATTACH_HANDOUT)
+            row = table.row(r)
+            after = words.load_acquire(row + ROW_ATTACH_HANDOUT)
+            through = words.load_acquire(row + ROW_DONE_THROUGH)
+            if through:  # an in-order reader: what comes after `through` is owed, once each
+                owed[r] = sum(h > after and h > through for h in handouts)
+                continue
             count = len(handouts) if handouts[0] > after else sum(h > after for h in handouts)
             if count:
                 word = words.load_acquire(counter_offset(address, r))

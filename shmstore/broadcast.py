@@ -190,6 +190,14 @@ class QueueReader(QueueBase):
                 raise Timeout(f"no message on queue {self.name!r} within {deadline.timeout_s} s "
                               f"(reader {self.reader}, next message {seq})", deadline.timeout_s)
             if words.load_acquire(slot) != seq:
+                resume = self._overtaken(seq)
+                if resume:
+                    self._skip(resume - 1, lost=resume - seq)
+                    raise CorruptObject(
+                        f"reader {self.reader} of queue {self.name!r} was overtaken: messages "
+                        f"{seq}..{resume - 1} were overwritten before it read them (its row was "
+                        f"damaged, or its index is used twice); it goes on with {resume}",
+                        self.name)
                 if self._damaged(seq):
                     self._skip(seq)
                     raise CorruptObject(f"slot of message {seq} on queue {self.name!r} is "
@@ -230,7 +238,8 @@ class QueueReader(QueueBase):
         seq = self._read_seq + 1
         if words.load_acquire(self.slot(seq)) == seq:
             return True
-        if words.load_acquire(self._meta + META_CLOSED) or self._damaged(seq):
+        if (words.load_acquire(self._meta + META_CLOSED) or self._damaged(seq)
+                or self._overtaken(seq)):
             return True
         now = time.monotonic()
         if now - self._writer_checked >= WRITER_CHECK_S:
@@ -252,6 +261,16 @@ class QueueReader(QueueBase):
             return True
         return self.n_slots > 1 and words.load_acquire(self.slot(seq + 1)) == seq + 1
 
+    def _overtaken(self, seq: int) -> int:
+        """If the writer wrote past message `seq` before this reader read it (it did not wait
+        for this row: damage), the oldest message still held, else 0."""
+        words = self._words
+        head = words.load_acquire(self._meta + META_WRITE_SEQ)
+        found = words.load_acquire(self.slot(seq))
+        if not seq < found <= head or (found - seq) % self.n_slots:
+            return 0  # not overtaken (or a damaged word: _damaged decides)
+        return max(head - self.n_slots + 1, seq + 1)
+
     def _consume(self, seq: int) -> None:
         words = self._words
         self._read_seq = seq
@@ -260,11 +279,12 @@ class QueueReader(QueueBase):
         if words.load_acquire(flag) and words.exchange(flag, 0) and self._writer_bell is not None:
             self._writer_bell.ring()
 
-    def _skip(self, seq: int) -> None:
-        self._skipped += 1
+    def _skip(self, seq: int, lost: int = 1) -> None:
+        """Count `lost` messages up to `seq` as skipped and go on after `seq`."""
+        self._skipped += lost
         self._words.store_release(self._row + ROW_SKIPPED, self._skipped)
-        log.warning("queue %r reader %d: message %d is damaged; skipped it", self.name,
-                    self.reader, seq)
+        log.warning("queue %r reader %d: skipped %d damaged or lost message(s) up to %d",
+                    self.name, self.reader, lost, seq)
         self._consume(seq)
 
     def _release(self) -> None:

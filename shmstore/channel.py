@@ -27,7 +27,7 @@ from ._closeable import Closeable
 from ._proc import int_arg
 from ._wait import Deadline
 from .broadcast import BroadcastQueue, QueueReader, QueueWriter
-from .errors import CorruptObject, ShmStoreError
+from .errors import CorruptObject, SegmentClosed, ShmStoreError
 from .handle import Handle
 from .segment import validate_name
 from .serde import encode
@@ -178,31 +178,45 @@ class ChannelReader(_Pair):
         self._queue = queue
         self.reader = queue.reader
 
-    def _next(self, deadline: Deadline) -> tuple[Any, bool]:
+    def _next(self, deadline: Deadline) -> tuple[Any, int]:
+        """The next value (inline), or handle, with its hand-out number (0 for inline)."""
         store: StoreReader = self._store
         while True:
             tag, msg = self._queue.receive(deadline)
             if tag == TAG_INLINE:
-                return msg, False
+                return msg, 0
             if (tag != TAG_HANDLE or type(msg) is not tuple or len(msg) != 2
                     or type(msg[0]) is not Handle or type(msg[1]) is not int):
                 raise CorruptObject(f"channel message with tag {tag} holds {type(msg).__name__} "
                                     "that is not what that tag carries")
             if msg[1] > store.joined_handout:
-                return msg[0], True
+                return msg[0], msg[1]
             # handed out before this reader joined the store: not owed to it, not read
 
     def recv(self, timeout: float | None = None) -> Any:
         """Return the next value as an owned copy."""
-        msg, by_handle = self._next(Deadline(timeout))
-        return self._store.get(msg) if by_handle else msg
+        msg, handout = self._next(Deadline(timeout))
+        if not handout:
+            return msg
+        try:
+            return self._store.get(msg)
+        finally:
+            self._done(handout)
 
     @contextmanager
     def recv_view(self, timeout: float | None = None) -> Iterator[Any]:
         """Yield the next value; stored values are zero-copy views valid inside the block."""
-        msg, by_handle = self._next(Deadline(timeout))
-        if not by_handle:
+        msg, handout = self._next(Deadline(timeout))
+        if not handout:
             yield msg
             return
-        with self._store.view(msg) as obj:
-            yield obj
+        try:
+            with self._store.view(msg) as obj:
+                yield obj
+        finally:
+            self._done(handout)
+
+    def _done(self, handout: int) -> None:
+        """Hand-outs up to this one are done: read, or lost with a damaged message."""
+        with suppress(SegmentClosed):
+            self._store.finished_through(handout)

@@ -29,6 +29,7 @@ from ._store_layout import (
     OBJECT_HEADER,
     ROW_ATTACH_HANDOUT,
     ROW_CORRUPT_READS,
+    ROW_DONE_THROUGH,
     ROW_PIN_MASK,
     ROW_PINS,
     ROW_TOTAL_READS,
@@ -154,6 +155,7 @@ class StoreReader(StoreBase):
             for i in range(MAX_PINS):  # a dead predecessor's pins
                 words.store_release(row + ROW_PINS + 8 * i, 0)
             words.store_release(row + ROW_PIN_MASK, 0)
+            words.store_release(row + ROW_DONE_THROUGH, 0)
 
         def settle(row: int, generation: int) -> None:
             # Hand-outs made before our row was visible may have been judged "not owed" and
@@ -194,6 +196,12 @@ class StoreReader(StoreBase):
             done = None
             try:
                 obj = self._decode(handle, copy=True)
+                if self._words.load_acquire(handle.address) not in (handle.seq, 0):
+                    # Reused under the pin: impossible unless the pin words were damaged.
+                    raise StaleHandle(f"object seq {handle.seq} in store {self.name!r} was "
+                                      "overwritten while it was copied (this reader's pin words "
+                                      "are damaged); ask the writer to send it again",
+                                      handle, self.name)
                 done = handle
                 return obj
             finally:
@@ -240,6 +248,20 @@ class StoreReader(StoreBase):
                 done = handle
             finally:
                 self._unpin(pin, done)
+        finally:
+            guard.leave()
+
+    def finished_through(self, handout: int) -> None:
+        """Say that this reader takes its hand-outs in order and is done with every hand-out
+        numbered up to `handout` (read, discarded, or lost with a damaged message that carried
+        its handle): the writer stops waiting for those. A Channel reader calls this after each
+        stored value; only a reader that really reads in order may."""
+        handout = int_arg(handout, "handout", 0, (1 << 64) - 1)
+        guard = self._guard_enter()
+        try:
+            word = self._row + ROW_DONE_THROUGH
+            if handout > self._words.load_acquire(word):
+                self._words.store_release(word, handout)
         finally:
             guard.leave()
 

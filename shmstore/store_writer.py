@@ -217,6 +217,7 @@ class StoreWriter(StoreBase):
                 raise Timeout(f"store {self.name!r}: reader(s) {list(missing)} did not attach "
                               f"within {timeout} s; start them, or check the name they use",
                               timeout, missing)
+            self._liveness.observe()
         finally:
             self._guard_leave()
 

@@ -35,3 +35,21 @@ def test_libatomic_path_round_trips() -> None:
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_values_wrap_at_64_bits_instead_of_raising() -> None:
+    """A counter loaded from damaged memory may be 2**64 - 1; the next store must not raise."""
+    import mmap
+
+    from shmstore._ordering import OrderedWords
+
+    mapping = mmap.mmap(-1, 64)
+    words = OrderedWords(mapping)
+    try:
+        words.store_release(0, 2**64 - 1 + 1)
+        assert words.load_acquire(0) == 0
+        assert words.exchange(8, 2**64 + 5) == 0 and words.load_acquire(8) == 5
+        assert words.compare_exchange(8, 5, 2**65 + 7) and words.load_acquire(8) == 7
+    finally:
+        words.release()
+        mapping.close()

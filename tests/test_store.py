@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from shmstore._store_layout import OBJECT_HEADER, STORE_META, STORE_ROW
+from shmstore._store_layout import (
+    OBJECT_HEADER,
+    ROW_ATTACH_HANDOUT,
+    ROW_CORRUPT_READS,
+    ROW_DONE_THROUGH,
+    ROW_PIN_MASK,
+    ROW_PINS,
+    ROW_TOTAL_READS,
+    STORE_META,
+    STORE_ROW,
+)
 from shmstore.handle import key_digest
 from tests._names import (
     CorruptObject,
@@ -54,10 +64,12 @@ def test_layout_offsets() -> None:
     raw = OBJECT_HEADER.pack(b"d" * 16, 7, 9)
     assert raw[:16] == b"d" * 16 and int.from_bytes(raw[16:24], "little") == 7
     assert int.from_bytes(raw[24:28], "little") == 9
-    raw = STORE_ROW.pack(1, 2, 3, 4, 5, 6, *range(10, 18))
-    offsets = (0, 8, 16, 24, 32, 40, *range(64, 128, 8))
-    assert [int.from_bytes(raw[o:o + 8], "little") for o in offsets] == [1, 2, 3, 4, 5, 6,
+    raw = STORE_ROW.pack(1, 2, 3, 4, 5, 6, 7, *range(10, 18))
+    offsets = (0, 8, 16, 24, 32, 40, 48, *range(64, 128, 8))
+    assert [int.from_bytes(raw[o:o + 8], "little") for o in offsets] == [1, 2, 3, 4, 5, 6, 7,
                                                                          *range(10, 18)]
+    assert (ROW_ATTACH_HANDOUT, ROW_TOTAL_READS, ROW_CORRUPT_READS, ROW_PIN_MASK,
+            ROW_DONE_THROUGH, ROW_PINS) == (16, 24, 32, 40, 48, 64)
     raw = STORE_META.pack(1, 2, 3)
     assert int.from_bytes(raw[8:12], "little") == 2 and int.from_bytes(raw[16:24], "little") == 3
 
