@@ -147,6 +147,13 @@ class StoreWriter(StoreBase):
         self._guard_check()
         return self._lookup(key) is not None
 
+    def handle_of(self, key: str | bytes) -> Handle | None:
+        """The handle of the cached object of `key` without handing it out (None if it is not
+        cached); for checking a handle that arrived from elsewhere. No side effect."""
+        self._guard_check()
+        entry = self._lookup(key)
+        return None if entry is None else entry.handle
+
     def object_bytes(self, key: str | bytes) -> int:
         """Serialized size of the cached object of `key`; KeyNotCached if it is not cached."""
         self._guard_check()

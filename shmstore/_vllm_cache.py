@@ -1,0 +1,336 @@
+"""shmstore as vLLM's `shm` multimodal processor cache (imported only by vllm_plugin.register).
+
+Sender (API process, "P0"), one per engine::
+
+    is_cached_item(h)          store.is_cached: no side effect
+    touch_sender_cache_item(h) a cached item is handed out now and the hand-out kept: it cannot
+                               be evicted until get_and_update_item uses it or
+                               release_sender_touches gives it back
+    get_and_update_item        hit: (handle item, P0's prompt updates); miss: put the item's
+                               tensors, return the handle item; an item above
+                               mm_shm_cache_max_object_size_mb or a full store: the item itself
+                               (inline, counted), never dropped, never an error
+    validate_input_item        a handle item from a client must be this store's current handle
+                               for that hash (ValueError otherwise)
+    clear_cache                store.clear(): every earlier handle is stale
+
+Receiver (each worker), attached lazily with the worker's local rank; n_readers is the world
+size. A handle item is read with `get` (owned tensors: the worker keeps them across steps) and
+turned back into vLLM's MultiModalKwargsItem. A handle that is stale or damaged raises vLLM's
+MultiModalCacheMissError, which vLLM answers by asking for the data again.
+
+The handle item carries an `address` field (vLLM keeps items with one when prefix caching strips
+covered data, so every hand-out reaches the workers and is counted) and `shmstore_handle`, the
+Handle's fields as five ints (they survive vLLM's msgpack round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.multimodal.cache import factories
+from vllm.multimodal.cache.base import (
+    BaseMultiModalProcessorCache,
+    BaseMultiModalReceiverCache,
+    MultiModalCacheMissError,
+)
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldConfig,
+    MultiModalFieldElem,
+    MultiModalFlatField,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+)
+from vllm.utils.cache import CacheInfo
+
+from .errors import (
+    CorruptObject,
+    InvalidArgument,
+    InvalidHandle,
+    ObjectTooLarge,
+    StaleHandle,
+    StoreFull,
+)
+from .handle import Handle
+from .store import ObjectStore, StoreReader, StoreWriter
+from .vllm_plugin import POLICY_ENV
+
+__all__ = ["ShmstoreSenderCache", "ShmstoreReceiverCache", "install", "item_to_value",
+           "value_to_item", "HANDLE_FIELD"]
+
+log = logging.getLogger("shmstore")
+HANDLE_FIELD = "shmstore_handle"
+_FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
+                MultiModalBatchedField: "batched"}
+_DEFAULT_NAME = "VLLM_OBJECT_STORAGE_SHM_BUFFER"
+_GIB = 1 << 30
+_MIB = 1 << 20
+
+
+def _settings(vllm_config: Any) -> tuple[str, int, int, int]:
+    """(name, capacity_bytes, max_object_bytes, n_readers) from vLLM's own configuration."""
+    mm_config = vllm_config.model_config.get_multimodal_config()
+    capacity = int(mm_config.mm_processor_cache_gb * _GIB)
+    max_object = min(int(mm_config.mm_shm_cache_max_object_size_mb * _MIB), capacity)
+    name = os.environ.get("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", _DEFAULT_NAME)
+    return name, capacity, max_object, int(vllm_config.parallel_config.world_size)
+
+
+# -- vLLM items <-> values shmstore's serializer carries -----------------------------------------
+
+def _slices_out(slices: Any) -> Any:
+    if isinstance(slices, slice):
+        return [slices.start, slices.stop, slices.step]
+    return [_slices_out(s) for s in slices]
+
+
+def _slices_in(obj: Any) -> Any:
+    if obj and not isinstance(obj[0], list):
+        return slice(*obj)
+    return [_slices_in(s) for s in obj]
+
+
+def item_to_value(item: MultiModalKwargsItem) -> dict[str, Any]:
+    """A MultiModalKwargsItem as plain values and tensors (no pickle)."""
+    fields = {}
+    for key, elem in item.items():
+        field = elem.field
+        kind = _FIELD_KINDS.get(type(field))
+        if kind is None:
+            raise TypeError(f"field {key!r} of type {type(field).__name__} is not supported")
+        options: dict[str, Any] = {"keep_on_cpu": bool(field.keep_on_cpu)}
+        if kind == "flat":
+            options["slices"] = _slices_out(field.slices)
+            options["dim"] = int(field.dim)
+        elif kind == "shared":
+            options["batch_size"] = int(field.batch_size)
+        fields[key] = [kind, options, elem.data]
+    return {"fields": fields}
+
+
+def value_to_item(value: Any) -> MultiModalKwargsItem:
+    """The inverse of item_to_value; CorruptObject if `value` is not what it makes."""
+    try:
+        elems = {}
+        for key, (kind, options, data) in value["fields"].items():
+            if kind not in ("flat", "shared", "batched") or not isinstance(options, dict):
+                raise ValueError(f"field kind {kind!r}")
+            options = dict(options)
+            if kind == "flat":
+                options["slices"] = _slices_in(options["slices"])
+            field = getattr(MultiModalFieldConfig, kind)("", **options).field
+            elems[key] = MultiModalFieldElem(data=data, field=field)
+        return MultiModalKwargsItem(elems)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptObject(f"stored vLLM item is not valid: {type(exc).__name__}: {exc}") from None
+
+
+def handle_item(handle: Handle) -> MultiModalKwargsItem:
+    words = [handle.address, handle.seq, int.from_bytes(handle.key_digest[:8], "little"),
+             int.from_bytes(handle.key_digest[8:], "little"), handle.epoch]
+    batched = MultiModalBatchedField()
+    return MultiModalKwargsItem({
+        "address": MultiModalFieldElem(data=handle.address, field=batched),
+        HANDLE_FIELD: MultiModalFieldElem(data=words, field=batched),
+    })
+
+
+def handle_from_item(item: Any) -> Handle | None:
+    """The Handle an item carries, None for an item with data; ValueError if it is malformed."""
+    if item is None or HANDLE_FIELD not in item:
+        return None
+    words = item[HANDLE_FIELD].data
+    if (not isinstance(words, (list, tuple)) or len(words) != 5
+            or any(type(w) is not int or not 0 <= w < 1 << 64 for w in words)):
+        raise ValueError("malformed shmstore handle item: expected five unsigned 64-bit ints")
+    address, seq, low, high, epoch = words
+    try:
+        return Handle(address, seq, low.to_bytes(8, "little") + high.to_bytes(8, "little"), epoch)
+    except (InvalidHandle, ValueError, TypeError) as exc:
+        raise ValueError(f"malformed shmstore handle item: {exc}") from None
+
+
+# -- the two caches -------------------------------------------------------------------------------
+
+class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
+    """vLLM's P0 cache, backed by one shmstore ObjectStore (this process writes it)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__()
+        name, capacity, max_object, n_readers = _settings(vllm_config)
+        policy = os.environ.get(POLICY_ENV, "reinsert").strip() or "reinsert"
+        try:
+            self._store: StoreWriter = ObjectStore.create(
+                name, capacity_bytes=capacity, n_readers=n_readers, max_object_bytes=max_object,
+                policy=policy)
+        except InvalidArgument as exc:
+            if exc.argument != "max_object_bytes":
+                raise
+            self._store = ObjectStore.create(  # the limit is about the whole cache: what fits
+                name, capacity_bytes=capacity, n_readers=n_readers, policy=policy)
+        self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
+        self._touched: dict[str, Handle] = {}  # hand-outs kept by touch, not yet used
+        self._hits = self._total = self.inline_fallbacks = 0
+        self._last = CacheInfo(hits=0, total=0)
+        log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s, "
+                 "%d readers", name, capacity, policy, n_readers)
+
+    @property
+    def store(self) -> StoreWriter:
+        return self._store
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        return self._store.is_cached(mm_hash)
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        if mm_hash not in self._touched and self._store.is_cached(mm_hash):
+            self._touched[mm_hash] = self._store.get_cached(mm_hash)
+
+    def release_sender_touches(self) -> None:
+        touched, self._touched = self._touched, {}
+        for handle in touched.values():
+            try:
+                self._store.give_back(handle)
+            except StaleHandle:
+                pass  # cleared meanwhile: nothing to give back
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+        self._total += 1
+        handle = self._touched.pop(mm_hash, None)
+        if handle is None and mm_hash in self._updates and self._store.is_cached(mm_hash):
+            handle = self._store.get_cached(mm_hash)
+        if handle is not None and mm_hash in self._updates:
+            self._hits += 1
+            return handle_item(handle), self._updates[mm_hash]
+        if handle is not None:  # cached, but P0 lost its prompt updates: give it back
+            self._store.give_back(handle)
+        if mm_item is None:
+            raise MultiModalCacheMissError([mm_hash])
+        item, prompt_updates = mm_item
+        try:
+            handle = self._store.put(mm_hash, item_to_value(item), timeout=0)
+        except (ObjectTooLarge, StoreFull) as exc:
+            self.inline_fallbacks += 1
+            log.debug("shmstore: item %s sent inline (%s)", mm_hash, exc)
+            return mm_item  # type: ignore[no-any-return]
+        if len(self._updates) >= 2 * len(self._store) + 64:
+            self._updates = {h: u for h, u in self._updates.items() if self._store.is_cached(h)}
+        self._updates[mm_hash] = prompt_updates
+        return handle_item(handle), prompt_updates
+
+    def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
+        handle = handle_from_item(mm_item)
+        if handle is None:
+            return
+        if handle != self._store.handle_of(mm_hash):
+            raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
+                             "server did not issue for it (forged, stale or from another "
+                             "server); send the data instead")
+
+    def invalidate(self, mm_hash: str) -> None:
+        if not self._store.is_cached(mm_hash):
+            self._updates.pop(mm_hash, None)
+
+    def clear_cache(self) -> None:
+        self.release_sender_touches()
+        self._store.clear()
+        self._updates.clear()
+        self._hits = self._total = 0
+        self._last = CacheInfo(hits=0, total=0)
+
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(hits=self._hits, total=self._total)
+        if delta:
+            info, self._last = info - self._last, info
+        return info
+
+    def close(self) -> None:
+        if not self._store.closed:
+            self.release_sender_touches()
+        self._store.close()
+
+
+class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
+    """vLLM's cache in each worker: resolves handle items from the shared store."""
+
+    def __init__(self, vllm_config: Any, shared_worker_lock: Any = None) -> None:
+        super().__init__()  # shared_worker_lock: accepted, not needed (no cross-process lock)
+        self._name, _, _, self._n_readers = _settings(vllm_config)
+        self._reader: StoreReader | None = None
+
+    @property
+    def reader(self) -> StoreReader:
+        """This worker's reader, attached at first use with the worker's local rank."""
+        if self._reader is None:
+            self._reader = ObjectStore.attach(self._name, _local_rank())
+        return self._reader
+
+    def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
+        with_data = [f for f in mm_features if f.data is not None]
+        super().get_and_update_features(with_data)
+        return mm_features
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        handle = handle_from_item(mm_item)
+        if handle is None:
+            return mm_item
+        try:
+            return value_to_item(self.reader.get(handle))
+        except (StaleHandle, CorruptObject) as exc:
+            log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
+            raise MultiModalCacheMissError([mm_hash]) from None
+
+    def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
+        return None  # the sender's hand-out already keeps the object until this worker reads it
+
+    def clear_cache(self) -> None:
+        return None  # the sender's clear() makes every earlier handle stale
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+
+def _local_rank() -> int:
+    """This worker's rank on its node: vLLM's world group once it exists, else LOCAL_RANK."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().local_rank)
+    except (ImportError, AssertionError, AttributeError):
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def install() -> None:
+    """Route vLLM's `shm` cache type to shmstore, where vLLM's factories are bound."""
+    import importlib
+
+    original_sender = factories.processor_cache_from_config
+    original_receiver = factories.worker_receiver_cache_from_config
+
+    def processor_cache_from_config(vllm_config: Any) -> Any:
+        if factories._get_cache_type(vllm_config) == "shm":
+            return ShmstoreSenderCache(vllm_config)
+        return original_sender(vllm_config)
+
+    def worker_receiver_cache_from_config(vllm_config: Any, shared_worker_lock: Any) -> Any:
+        if factories._get_cache_type(vllm_config) == "shm":
+            return ShmstoreReceiverCache(vllm_config, shared_worker_lock)
+        return original_receiver(vllm_config, shared_worker_lock)
+
+    patches = {"processor_cache_from_config": processor_cache_from_config,
+               "worker_receiver_cache_from_config": worker_receiver_cache_from_config}
+    for module_name in ("vllm.multimodal.cache.factories", "vllm.multimodal.cache",
+                        "vllm.renderers.base", "vllm.v1.worker.worker_base"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # another vLLM layout: say so, patch what exists
+            log.warning("shmstore vLLM plugin: cannot import %s (%s)", module_name, exc)
+            continue
+        for attr, replacement in patches.items():
+            if hasattr(module, attr):
+                setattr(module, attr, replacement)

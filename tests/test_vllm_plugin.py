@@ -1,0 +1,292 @@
+"""The vLLM plugin against the real vllm package: vLLM's own item, feature, serializer and cache
+classes. The configuration is a stand-in with the fields the caches read (a real VllmConfig
+needs a model; the end-to-end engine test builds one)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.multimodal.cache import factories  # noqa: E402
+from vllm.multimodal.cache.base import (  # noqa: E402
+    BaseMultiModalProcessorCache,
+    BaseMultiModalReceiverCache,
+    MultiModalCacheMissError,
+)
+from vllm.multimodal.inputs import (  # noqa: E402
+    MultiModalFeatureSpec,
+    MultiModalFieldConfig,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
+
+from shmstore._vllm_cache import (  # noqa: E402
+    HANDLE_FIELD,
+    ShmstoreReceiverCache,
+    ShmstoreSenderCache,
+    handle_from_item,
+)
+from tests._names import ObjectStore  # noqa: E402
+
+MB = 1 << 20
+SPAWN = mp.get_context("spawn")
+
+
+def config(name: str, cache_mb: float = 64, max_object_mb: int = 32, world_size: int = 2,
+           cache_type: str = "shm") -> Any:
+    os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = name
+    mm = SimpleNamespace(mm_processor_cache_gb=cache_mb / 1024, mm_shm_cache_max_object_size_mb=max_object_mb,
+                         mm_processor_cache_type=cache_type)
+    model = SimpleNamespace(get_multimodal_config=lambda: mm, supports_multimodal_inputs=True)
+    parallel = SimpleNamespace(world_size=world_size, _api_process_count=1, data_parallel_size=1,
+                               data_parallel_external_lb=False)
+    return SimpleNamespace(model_config=model, parallel_config=parallel)
+
+
+def image_item(seed: int, nbytes: float = 1.3 * MB) -> MultiModalKwargsItem:
+    """One LLaVA-style image item: pixel_values (batched) and image_sizes, a flat field too."""
+    side = int((nbytes / 12) ** 0.5)
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(1, 3, side, side, generator=g)
+    batched = MultiModalFieldConfig.batched("image").field
+    flat = MultiModalFieldConfig.flat("image", [slice(0, 2)], dim=0).field
+    return MultiModalKwargsItem({
+        "pixel_values": MultiModalFieldElem(data=pixels[0], field=batched),
+        "image_sizes": MultiModalFieldElem(data=torch.tensor([side, side]), field=batched),
+        "grid": MultiModalFieldElem(data=torch.arange(2, dtype=torch.bfloat16), field=flat),
+    })
+
+
+def same_item(a: MultiModalKwargsItem, b: MultiModalKwargsItem) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if type(x.field) is not type(y.field) or x.field != y.field:
+            return False
+        if not (x.data.dtype == y.data.dtype and torch.equal(x.data, y.data)):
+            return False
+    return True
+
+
+def over_the_wire(item: Any) -> Any:
+    """What vLLM does to an item between the API process and the workers."""
+    return MsgpackDecoder(MultiModalKwargsItem).decode(MsgpackEncoder().encode(item))
+
+
+@pytest.fixture
+def caches(name: str) -> Any:
+    cfg = config(name)
+    sender = ShmstoreSenderCache(cfg)
+    receivers = []
+    for rank in range(2):
+        os.environ["LOCAL_RANK"] = str(rank)
+        receivers.append(ShmstoreReceiverCache(cfg, None))
+        assert receivers[-1].reader.reader == rank  # attach now, as rank `rank`
+    yield sender, receivers
+    for r in receivers:
+        r.close()
+    sender.close()
+    os.environ.pop("LOCAL_RANK", None)
+
+
+def test_they_are_vllms_cache_types_with_vllms_constructors(caches: Any) -> None:
+    sender, receivers = caches
+    assert isinstance(sender, BaseMultiModalProcessorCache)
+    assert all(isinstance(r, BaseMultiModalReceiverCache) for r in receivers)
+
+
+def test_a_miss_is_stored_once_and_every_worker_reads_it(caches: Any) -> None:
+    sender, receivers = caches
+    item = image_item(1)
+    out, updates = sender.get_and_update_item((item, ["u1"]), "h1")
+    assert updates == ["u1"] and HANDLE_FIELD in out and "address" in out
+    assert sender.store.stats().puts == 1
+    for r in receivers:
+        assert same_item(r.get_and_update_item(over_the_wire(out), "h1"), item)
+    assert sender.store.stats().reader_lag == (0, 0)
+
+
+def test_a_hit_sends_a_handle_without_the_processor_and_counts(caches: Any) -> None:
+    sender, receivers = caches
+    item = image_item(2)
+    for out in (sender.get_and_update_item((item, ["u2"]), "h2")[0],
+                sender.get_and_update_item(None, "h2")[0]):
+        for r in receivers:
+            r.get_and_update_item(over_the_wire(out), "h2")
+    before = sender.store.stats()
+    assert sender.is_cached(["h2", "nope"]) == [True, False]
+    assert sender.store.stats() == before  # is_cached has no side effect
+    out, updates = sender.get_and_update_item(None, "h2")  # the processor did not run
+    assert updates == ["u2"]  # P0 kept them
+    for r in receivers:
+        assert same_item(r.get_and_update_item(over_the_wire(out), "h2"), item)
+    info = sender.make_stats(delta=True)
+    assert (info.hits, info.total) == (2, 3)
+    assert (sender.make_stats(delta=True).hits, sender.make_stats().total) == (0, 3)
+
+
+def test_touched_items_survive_eviction_until_released(name: str) -> None:
+    cfg = config(name, cache_mb=6, max_object_mb=6, world_size=1)
+    sender = ShmstoreSenderCache(cfg)
+    os.environ["LOCAL_RANK"] = "0"
+    receiver = ShmstoreReceiverCache(cfg, None)
+    try:
+        def send(h: str) -> None:
+            out, _ = sender.get_and_update_item((image_item(hash(h) % 100), []), h)
+            receiver.get_and_update_item(over_the_wire(out), h)
+
+        send("a")
+        sender.touch_sender_cache_item("a")
+        for i in range(8):  # several times the store: everything else is evicted meanwhile
+            send(f"x{i}")
+        assert sender.is_cached_item("a")
+        out, _ = sender.get_and_update_item(None, "a")  # uses the touch
+        receiver.get_and_update_item(over_the_wire(out), "a")
+        sender.touch_sender_cache_item("x7")
+        sender.release_sender_touches()
+        for i in range(8, 16):
+            send(f"x{i}")
+        assert not sender.is_cached_item("a") and not sender.is_cached_item("x7")
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_oversize_and_full_are_sent_inline_never_dropped(name: str) -> None:
+    cfg = config(name, cache_mb=4, max_object_mb=2, world_size=1)
+    sender = ShmstoreSenderCache(cfg)
+    try:
+        big = image_item(3, nbytes=3 * MB)
+        assert sender.get_and_update_item((big, ["b"]), "big") == (big, ["b"])
+        small = [image_item(10 + i) for i in range(4)]
+        outs = [sender.get_and_update_item((it, []), f"s{i}")[0] for i, it in enumerate(small)]
+        # nobody reads: the store fills, later items go inline with their data
+        assert any(HANDLE_FIELD in o for o in outs) and outs[-1] is small[-1]
+        assert sender.inline_fallbacks == 2
+    finally:
+        sender.close()
+
+
+def test_clear_makes_every_earlier_handle_fail_loudly(caches: Any) -> None:
+    sender, receivers = caches
+    out, _ = sender.get_and_update_item((image_item(4), []), "h4")
+    sender.clear_cache()
+    assert not sender.is_cached_item("h4")
+    with pytest.raises(MultiModalCacheMissError) as info:
+        receivers[0].get_and_update_item(over_the_wire(out), "h4")
+    assert info.value.mm_hashes == ["h4"]
+
+
+def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: Any, name: str) -> None:
+    sender, _ = caches
+    out, _ = sender.get_and_update_item((image_item(5), []), "h5")
+    sender.validate_input_item(out, "h5")  # its own current handle
+    sender.validate_input_item(image_item(6), "h6")  # data, not a handle
+    with pytest.raises(ValueError, match="did not issue"):
+        sender.validate_input_item(out, "other-hash")
+    forged = MultiModalKwargsItem(dict(out))
+    words = list(out[HANDLE_FIELD].data)
+    words[1] += 1
+    forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
+    with pytest.raises(ValueError, match="did not issue"):
+        sender.validate_input_item(forged, "h5")
+    for bad in ([1, 2, 3], [1, 2, 3, 4, -5], "x", [1, 2, 3, 4, 2**64]):
+        junk = MultiModalKwargsItem({HANDLE_FIELD: MultiModalFieldElem(
+            data=bad, field=out[HANDLE_FIELD].field)})
+        with pytest.raises(ValueError, match="malformed"):
+            sender.validate_input_item(junk, "h5")
+    with ObjectStore.create(name + "-other", capacity_bytes=1 << 20, n_readers=1) as other:
+        foreign = other.put("h5", {"x": 1})
+        assert handle_from_item(out) != foreign
+    sender.clear_cache()
+    with pytest.raises(ValueError, match="did not issue"):
+        sender.validate_input_item(out, "h5")  # stale
+
+
+def test_features_without_data_are_skipped_and_handles_resolved(caches: Any) -> None:
+    sender, receivers = caches
+    item = image_item(7)
+    out, _ = sender.get_and_update_item((item, []), "h7")
+    for r in receivers:
+        features = [
+            MultiModalFeatureSpec(data=over_the_wire(out), modality="image", identifier="h7",
+                                  mm_position=PlaceholderRange(offset=3, length=10), mm_hash="h7"),
+            MultiModalFeatureSpec(data=None, modality="image", identifier="gone",
+                                  mm_position=PlaceholderRange(offset=20, length=10)),
+        ]
+        got = r.get_and_update_features(features)
+        assert same_item(got[0].data, item) and got[1].data is None
+    assert sender.store.stats().reader_lag == (0, 0)
+
+
+def _read_then_die(name: str, attached: Any) -> None:
+    os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = name
+    os.environ["LOCAL_RANK"] = "1"
+    receiver = ShmstoreReceiverCache(config(name), None)
+    assert receiver.reader.reader == 1
+    attached.set()
+    signal.pause()
+
+
+def test_a_killed_worker_does_not_wedge_the_sender(name: str) -> None:
+    cfg = config(name, cache_mb=6, max_object_mb=6, world_size=2)
+    sender = ShmstoreSenderCache(cfg)
+    os.environ["LOCAL_RANK"] = "0"
+    receiver = ShmstoreReceiverCache(cfg, None)
+    attached = SPAWN.Event()
+    p = SPAWN.Process(target=_read_then_die, args=(name, attached))
+    p.start()
+    try:
+        assert attached.wait(60)
+        out, _ = sender.get_and_update_item((image_item(8), []), "first")
+        receiver.get_and_update_item(over_the_wire(out), "first")
+        os.kill(p.pid, signal.SIGKILL)  # worker 1 dies owing "first"
+        p.join(30)
+        for i in range(12):  # twice the store: "first" must be reclaimed, nothing inline
+            out, _ = sender.get_and_update_item((image_item(20 + i), []), f"k{i}")
+            assert HANDLE_FIELD in out
+            receiver.get_and_update_item(over_the_wire(out), f"k{i}")
+        assert sender.inline_fallbacks == 0 and sender.store.stats().dead_readers == 1
+    finally:
+        p.kill()
+        p.join(30)
+        receiver.close()
+        sender.close()
+
+
+def test_the_plugin_routes_only_the_shm_type_and_can_be_turned_off(name: str) -> None:
+    from shmstore import vllm_plugin
+
+    vllm_plugin.register()
+    import vllm.renderers.base
+    import vllm.v1.worker.worker_base
+
+    assert vllm.renderers.base.processor_cache_from_config is factories.processor_cache_from_config
+    sender = vllm.renderers.base.processor_cache_from_config(config(name, world_size=1))
+    try:
+        assert isinstance(sender, ShmstoreSenderCache)
+        receiver = vllm.v1.worker.worker_base.worker_receiver_cache_from_config(
+            config(name, world_size=1), None)  # no lock (the Ray executor): works
+        assert isinstance(receiver, ShmstoreReceiverCache)
+    finally:
+        sender.close()
+    assert vllm.v1.worker.worker_base.worker_receiver_cache_from_config(
+        config(name, cache_type="lru"), None) is None  # vLLM's own answer for lru
+    code = ("import vllm.multimodal.cache.factories as f; from shmstore import vllm_plugin; "
+            "vllm_plugin.register(); print(f.processor_cache_from_config.__module__)")
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SHMSTORE_VLLM": "0"})
+    assert off.stdout.strip() == "vllm.multimodal.cache.factories", off.stderr[-2000:]
