@@ -62,7 +62,7 @@ from .vllm_plugin import POLICY_ENV
 __all__ = ["ShmstoreSenderCache", "ShmstoreReceiverCache", "install", "item_to_value",
            "value_to_item", "HANDLE_FIELD"]
 
-log = logging.getLogger("shmstore")
+log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
 HANDLE_FIELD = "shmstore_handle"
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}

@@ -1,0 +1,79 @@
+"""A tiny LLaVA-1.5 model with random weights, built offline for the vLLM engine tests.
+
+A 2-layer CLIP vision tower (56x56 images, 14x14 patches: 16 image tokens) and a 2-layer Llama,
+a byte-level BPE tokenizer trained here with an `<image>` token, a CLIP image processor and a
+chat template. No network. Weights are renamed to what vLLM's LLaVA loader expects
+(`vision_tower.vision_model.*`; transformers 5.x saves `vision_tower.*`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+IMAGE_SIZE = 56
+PATCH = 14
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def build(out: Path, seed: int = 0) -> Path:
+    """Write the model, tokenizer and processor to `out`; return it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["USER: what is in this image? ASSISTANT: a picture of a cat on a mat.",
+              "describe the image in detail please",
+              "the quick brown fox jumps over the lazy dog"] * 50
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE, num_additional_image_tokens=1)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32),
+        text_config=LlamaConfig(  # head_dim 64: one vLLM's CPU attention supports
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).eval().save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    path = out / "model.safetensors"
+    weights = load_file(path)
+    prefix = "vision_tower."
+    save_file({(prefix + "vision_model." + k[len(prefix):]
+                if k.startswith(prefix) and not k.startswith(prefix + "vision_model.") else k): v
+               for k, v in weights.items()}, path, metadata={"format": "pt"})
+    return out
