@@ -176,6 +176,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._touched: dict[str, Handle] = {}  # hand-outs kept by touch, not yet used
         self._hits = self._total = self.inline_fallbacks = 0
         self._last = CacheInfo(hits=0, total=0)
+        self._unregister_metrics = _export_metrics(self._store, lambda: self.inline_fallbacks)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s, "
                  "%d readers", name, capacity, policy, n_readers)
 
@@ -249,6 +250,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         return info
 
     def close(self) -> None:
+        self._unregister_metrics()
         if not self._store.closed:
             self.release_sender_touches()
         self._store.close()
@@ -293,6 +295,16 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
+
+
+def _export_metrics(store: StoreWriter, inline_fallbacks: Any) -> Any:
+    """shmstore_* metrics on prometheus_client's default registry (vLLM's /metrics)."""
+    try:
+        from .metrics import register_store_metrics
+
+        return register_store_metrics(store, inline_fallbacks=inline_fallbacks)
+    except ImportError:
+        return lambda: None
 
 
 def _local_rank() -> int:

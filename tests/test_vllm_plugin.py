@@ -290,3 +290,25 @@ def test_the_plugin_routes_only_the_shm_type_and_can_be_turned_off(name: str) ->
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "SHMSTORE_VLLM": "0"})
     assert off.stdout.strip() == "vllm.multimodal.cache.factories", off.stderr[-2000:]
+
+
+def test_store_statistics_are_exported_as_prometheus_metrics(caches: Any) -> None:
+    from prometheus_client import generate_latest
+
+    sender, receivers = caches
+    out, _ = sender.get_and_update_item((image_item(9), []), "h9")
+    receivers[0].get_and_update_item(over_the_wire(out), "h9")  # reader 1 has not read it
+    sender.get_and_update_item((image_item(10, nbytes=40 * MB), []), "huge")  # inline
+    text = generate_latest().decode()
+    segment = sender.store.name
+    for line in (f'shmstore_puts_total{{segment="{segment}"}} 1.0',
+                 f'shmstore_inline_fallbacks_total{{segment="{segment}"}} 1.0',
+                 f'shmstore_objects{{segment="{segment}"}} 1.0',
+                 f'shmstore_reader_lag{{reader="0",segment="{segment}"}} 0.0',
+                 f'shmstore_reader_lag{{reader="1",segment="{segment}"}} 1.0',
+                 f'shmstore_dead_readers_total{{segment="{segment}"}} 0.0'):
+        assert line in text, line
+    assert f'shmstore_bytes_in_use{{segment="{segment}"}} 0.0' not in text
+    receivers[1].get_and_update_item(over_the_wire(out), "h9")
+    sender.close()
+    assert "shmstore_puts_total" not in generate_latest().decode()  # gone with the cache

@@ -1,0 +1,115 @@
+"""Prometheus metrics for a store, read from `StoreWriter.stats()` at each scrape.
+
+    from shmstore.metrics import register_store_metrics
+    unregister = register_store_metrics(writer)        # prometheus_client's default registry
+    ...
+    unregister()                                       # before writer.close()
+
+Every metric carries a `segment` label (the store's name); per-reader ones also `reader`.
+
+    shmstore_puts_total                 objects stored
+    shmstore_hits_total                 hand-outs of cached objects (get_cached)
+    shmstore_evictions_total            objects dropped to make room or by clear()
+    shmstore_give_backs_total           hand-outs taken back unread
+    shmstore_full_events_total          puts that found the oldest object still owed
+    shmstore_reinsertions_total         objects copied forward by the reinsert policy
+    shmstore_reinserted_bytes_total     ring bytes those copies wrote
+    shmstore_damaged_objects_total      objects dropped because shared memory was damaged
+    shmstore_dead_readers_total         readers found dead and no longer waited for
+    shmstore_inline_fallbacks_total     values sent inline because too large or store full
+                                        (only where the caller counts them: the vLLM cache)
+    shmstore_bytes_in_use               ring bytes held by live objects
+    shmstore_capacity_bytes             ring capacity
+    shmstore_objects                    live objects
+    shmstore_reader_lag                 hand-outs each reader still owes (per reader)
+    shmstore_corrupt_reads_total        objects each reader gave up on as damaged (per reader)
+
+Needs `prometheus_client` (installed with the `vllm` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .store import StoreWriter
+
+__all__ = ["register_store_metrics", "StoreCollector"]
+
+_COUNTERS = (
+    ("puts", "puts", "Objects stored"),
+    ("hits", "hits", "Hand-outs of cached objects"),
+    ("evictions", "evictions", "Objects dropped to make room or by clear()"),
+    ("give_backs", "give_backs", "Hand-outs taken back unread"),
+    ("full_events", "full_events", "Puts that found the oldest object still owed to a reader"),
+    ("reinsertions", "reinsertions", "Objects copied forward by the reinsert policy"),
+    ("reinserted_bytes", "bytes_reinserted", "Ring bytes written by reinsertions"),
+    ("damaged_objects", "damaged_objects", "Objects dropped because shared memory was damaged"),
+    ("dead_readers", "dead_readers", "Readers found dead and no longer waited for"),
+)
+_GAUGES = (
+    ("bytes_in_use", "bytes_in_use", "Ring bytes held by live objects"),
+    ("capacity_bytes", "capacity_bytes", "Ring capacity in bytes"),
+    ("objects", "objects", "Live objects"),
+)
+
+
+class StoreCollector:
+    """A prometheus_client collector: one stats() snapshot per scrape."""
+
+    def __init__(self, writer: StoreWriter,
+                 inline_fallbacks: Callable[[], int] | None = None) -> None:
+        self._writer = writer
+        self._inline_fallbacks = inline_fallbacks
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if self._writer.closed:
+            return
+        stats = self._writer.stats()
+        segment = [stats.name]
+        for name, field, doc in _COUNTERS:
+            family = CounterMetricFamily(f"shmstore_{name}", doc, labels=["segment"])
+            family.add_metric(segment, getattr(stats, field))
+            yield family
+        if self._inline_fallbacks is not None:
+            family = CounterMetricFamily("shmstore_inline_fallbacks",
+                                         "Values sent inline because too large or store full",
+                                         labels=["segment"])
+            family.add_metric(segment, self._inline_fallbacks())
+            yield family
+        for name, field, doc in _GAUGES:
+            gauge = GaugeMetricFamily(f"shmstore_{name}", doc, labels=["segment"])
+            gauge.add_metric(segment, getattr(stats, field))
+            yield gauge
+        lag = GaugeMetricFamily("shmstore_reader_lag", "Hand-outs each reader still owes",
+                                labels=["segment", "reader"])
+        corrupt = CounterMetricFamily("shmstore_corrupt_reads",
+                                      "Objects each reader gave up on as damaged",
+                                      labels=["segment", "reader"])
+        for r in range(stats.n_readers):
+            lag.add_metric([stats.name, str(r)], stats.reader_lag[r])
+            corrupt.add_metric([stats.name, str(r)], stats.corrupt_reads[r])
+        yield lag
+        yield corrupt
+
+
+def register_store_metrics(writer: StoreWriter, registry: Any = None,
+                           inline_fallbacks: Callable[[], int] | None = None
+                           ) -> Callable[[], None]:
+    """Export `writer`'s statistics on `registry` (default: prometheus_client's); return a
+    function that removes them again."""
+    from prometheus_client import REGISTRY
+
+    target = REGISTRY if registry is None else registry
+    collector = StoreCollector(writer, inline_fallbacks)
+    target.register(collector)
+
+    def unregister() -> None:
+        try:
+            target.unregister(collector)
+        except KeyError:
+            pass
+
+    return unregister
