@@ -29,7 +29,8 @@ RUNNER = Path(__file__).with_name("vllm_engine_run.py")
 
 
 def run_engine(model: Path, cache_type: str, tp: int, segment: str) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment,
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    env = {**env, "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment,
            "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(RUNNER.parent.parent)}
     if tp == 2:

@@ -44,9 +44,18 @@ MB = 1 << 20
 SPAWN = mp.get_context("spawn")
 
 
+@pytest.fixture(autouse=True)
+def segment_name(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every cache of a test uses the test's segment name (restored afterwards)."""
+    monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", name)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return name
+
+
 def config(name: str, cache_mb: float = 64, max_object_mb: int = 32, world_size: int = 2,
            cache_type: str = "shm") -> Any:
-    os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] = name
+    """The fields of a VllmConfig the caches read; the segment name comes from the
+    environment, as in vLLM (`name` only documents which one the test means)."""
     mm = SimpleNamespace(mm_processor_cache_gb=cache_mb / 1024, mm_shm_cache_max_object_size_mb=max_object_mb,
                          mm_processor_cache_type=cache_type)
     model = SimpleNamespace(get_multimodal_config=lambda: mm, supports_multimodal_inputs=True)
@@ -87,19 +96,18 @@ def over_the_wire(item: Any) -> Any:
 
 
 @pytest.fixture
-def caches(name: str) -> Any:
+def caches(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     cfg = config(name)
     sender = ShmstoreSenderCache(cfg)
     receivers = []
     for rank in range(2):
-        os.environ["LOCAL_RANK"] = str(rank)
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
         receivers.append(ShmstoreReceiverCache(cfg, None))
         assert receivers[-1].reader.reader == rank  # attach now, as rank `rank`
     yield sender, receivers
     for r in receivers:
         r.close()
     sender.close()
-    os.environ.pop("LOCAL_RANK", None)
 
 
 def test_they_are_vllms_cache_types_with_vllms_constructors(caches: Any) -> None:
@@ -141,7 +149,6 @@ def test_a_hit_sends_a_handle_without_the_processor_and_counts(caches: Any) -> N
 def test_touched_items_survive_eviction_until_released(name: str) -> None:
     cfg = config(name, cache_mb=6, max_object_mb=6, world_size=1)
     sender = ShmstoreSenderCache(cfg)
-    os.environ["LOCAL_RANK"] = "0"
     receiver = ShmstoreReceiverCache(cfg, None)
     try:
         def send(h: str) -> None:
@@ -244,7 +251,6 @@ def _read_then_die(name: str, attached: Any) -> None:
 def test_a_killed_worker_does_not_wedge_the_sender(name: str) -> None:
     cfg = config(name, cache_mb=6, max_object_mb=6, world_size=2)
     sender = ShmstoreSenderCache(cfg)
-    os.environ["LOCAL_RANK"] = "0"
     receiver = ShmstoreReceiverCache(cfg, None)
     attached = SPAWN.Event()
     p = SPAWN.Process(target=_read_then_die, args=(name, attached))
