@@ -36,7 +36,7 @@ from .errors import (
 )
 from .handle import Handle
 from .hashing import mm_hash
-from .serde import dumps, loads
+from .serde import Blank, dumps, loads
 from .store import ObjectStore, StoreReader, StoreStats, StoreWriter
 
 __version__ = "0.2.0"
@@ -48,6 +48,7 @@ __all__ = [
     "StoreReader",
     "StoreStats",
     "Handle",
+    "Blank",
     "BroadcastQueue",
     "QueueWriter",
     "QueueReader",

@@ -36,6 +36,7 @@ tensors): do not write to them.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 import sys
 import warnings
@@ -48,7 +49,8 @@ import numpy as np
 from .errors import CorruptObject, InvalidHandle, NotSerializable
 from .handle import HANDLE_WIRE, Handle
 
-__all__ = ["Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER", "BUFFER_ENTRY"]
+__all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER",
+           "BUFFER_ENTRY"]
 
 BODY_HEADER = struct.Struct("<4sIQ")
 BUFFER_ENTRY = struct.Struct("<QQ")
@@ -114,13 +116,58 @@ def _format_path(root: str, path: tuple[Any, ...]) -> str:
     return root + "".join(f"[{p!r}]" for p in path)
 
 
+class Blank:
+    """An array or tensor of known shape and dtype, left for the caller to fill in place.
+
+    Only `StoreWriter.reserve` accepts blanks (see there); `dtype` is a numpy dtype (any form
+    numpy accepts) or, with `torch=True`, a torch dtype or its name ("bfloat16").
+    """
+
+    __slots__ = ("dtype", "nbytes", "shape", "torch")
+
+    def __init__(self, shape: Any, dtype: Any, *, torch: bool = False) -> None:
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise NotSerializable(f"blank shape {shape!r:.80} is not a sequence of ints",
+                                  "shape") from None
+        if len(dims) > MAX_NDIM or any(not 0 <= d < MAX_DIM for d in dims):
+            raise NotSerializable(f"blank shape {dims!r:.80} has a negative or huge dimension, "
+                                  f"or more than {MAX_NDIM}", "shape")
+        self.shape = dims
+        self.torch = bool(torch)
+        if self.torch:
+            name = str(dtype).removeprefix("torch.")
+            if name not in _TORCH_DTYPE_NAMES:
+                raise NotSerializable(f"blank torch dtype {dtype!r} is not supported", "dtype")
+            self.dtype: Any = name
+            itemsize = _torch_dtype_table()[name][1]
+        else:
+            try:
+                np_dtype = np.dtype(dtype)
+            except TypeError:
+                raise NotSerializable(f"blank dtype {dtype!r:.40} is not a numpy dtype",
+                                      "dtype") from None
+            if np_dtype.str not in _NUMPY_DTYPES:
+                raise NotSerializable(f"blank dtype {np_dtype} is not supported (bool and "
+                                      "numeric dtypes only)", "dtype")
+            self.dtype = np_dtype
+            itemsize = np_dtype.itemsize
+        self.nbytes = math.prod(dims) * itemsize
+
+    def __repr__(self) -> str:
+        return f"Blank({self.shape}, {self.dtype}{', torch=True' if self.torch else ''})"
+
+
 class _Encoder:
     """One walk over an object: msgpack-ready structure plus the list of out-of-band buffers."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, blanks: bool = False) -> None:
         self.root = root
-        self.sources: list[Any] = []  # numpy arrays or torch tensors, in buffer-index order
+        self.sources: list[Any] = []  # numpy arrays, torch tensors or Blanks, in buffer order
         self.sizes: list[int] = []
+        self.blanks = blanks
+        self.paths: list[tuple[Any, ...]] = []  # where each source sits in the object
 
     def fail(self, path: tuple[Any, ...], obj: object, why: str) -> NotSerializable:
         where = _format_path(self.root, path)
@@ -152,6 +199,8 @@ class _Encoder:
             return [_TUPLE_EXT, *(self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj))]
         if kind is np.ndarray:
             return self.array(obj, path)
+        if kind is Blank:
+            return self.blank(obj, path)
         if kind is Handle:
             return msgpack.ExtType(EXT_HANDLE, obj.pack())
         if _is_tensor(obj):
@@ -169,13 +218,28 @@ class _Encoder:
         raise self.fail(path, obj, "supported are None, bool, int, float, str, bytes, list, tuple, "
                         "dict, numpy arrays and scalars, torch CPU tensors and Handle")
 
+    def blank(self, blank: Blank, path: tuple[Any, ...]) -> msgpack.ExtType:
+        if not self.blanks:
+            raise self.fail(path, blank, "a Blank is a placeholder for StoreWriter.reserve; "
+                            "put() and send() need the data itself")
+        index = self.add(blank, blank.nbytes, path)
+        if blank.torch:
+            return msgpack.ExtType(EXT_TENSOR, msgpack.packb([blank.dtype, list(blank.shape),
+                                                              index]))
+        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([blank.dtype.str, list(blank.shape),
+                                                           index]))
+
+    def add(self, source: Any, nbytes: int, path: tuple[Any, ...]) -> int:
+        self.sources.append(source)
+        self.sizes.append(nbytes)
+        self.paths.append(path)
+        return len(self.sources) - 1
+
     def array(self, arr: np.ndarray, path: tuple[Any, ...]) -> msgpack.ExtType:
         if arr.dtype.kind not in _NUMERIC_KINDS or arr.dtype.str not in _NUMPY_DTYPES:
             raise self.fail(path, arr, f"arrays of dtype {arr.dtype} are not supported (only bool "
                             "and numeric dtypes)")
-        index = len(self.sources)
-        self.sources.append(arr)
-        self.sizes.append(arr.nbytes)
+        index = self.add(arr, arr.nbytes, path)
         return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([arr.dtype.str, list(arr.shape), index]))
 
     def tensor(self, t: Any, path: tuple[Any, ...]) -> msgpack.ExtType:
@@ -188,9 +252,7 @@ class _Encoder:
         if name not in _torch_dtype_table():  # e.g. quantized or sub-byte dtypes
             raise self.fail(path, t, f"tensors of dtype {t.dtype} are not supported")
         t = t.detach().resolve_conj().resolve_neg()
-        index = len(self.sources)
-        self.sources.append(t)
-        self.sizes.append(t.numel() * t.element_size())
+        index = self.add(t, t.numel() * t.element_size(), path)
         return msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, list(t.shape), index]))
 
 
@@ -200,24 +262,49 @@ class Encoded:
     Holds references to the source arrays until written; write it before changing them.
     """
 
-    __slots__ = ("_buffers", "_prefix", "nbytes")
+    __slots__ = ("_buffers", "_prefix", "blanks", "nbytes")
 
-    def __init__(self, prefix: bytes, buffers: list[tuple[int, Any]], nbytes: int) -> None:
+    def __init__(self, prefix: bytes, buffers: list[tuple[int, Any]], nbytes: int,
+                 blanks: list[tuple[tuple[Any, ...], int, Blank]] | None = None) -> None:
         self.nbytes = nbytes
         self._prefix = prefix
         self._buffers = buffers  # (offset in body, numpy array or torch tensor)
+        self.blanks = blanks or []  # (path in the object, offset in body, Blank)
 
     @property
     def structure_crc(self) -> int:
         """CRC-32 of everything but the raw array bytes (header, buffer table, msgpack)."""
         return zlib.crc32(self._prefix)
 
+    def blank_views(self, dst: memoryview) -> list[tuple[tuple[Any, ...], Any]]:
+        """(path, writable array or tensor) for each Blank, viewing its place in `dst`."""
+        views = []
+        for path, offset, blank in self.blanks:
+            if blank.torch:
+                torch = _torch()
+                dtype = _torch_dtype_table()[blank.dtype][0]
+                if blank.nbytes == 0:
+                    views.append((path, torch.empty(blank.shape, dtype=dtype)))
+                    continue
+                count = blank.nbytes // _torch_dtype_table()[blank.dtype][1]
+                views.append((path, torch.frombuffer(dst, dtype=dtype, count=count,
+                                                     offset=offset).view(blank.shape)))
+            elif blank.nbytes == 0:
+                views.append((path, np.empty(blank.shape, dtype=blank.dtype)))
+            else:
+                views.append((path, np.frombuffer(dst, dtype=blank.dtype, count=math.prod(
+                    blank.shape), offset=offset).reshape(blank.shape)))
+        return views
+
     def write_into(self, dst: memoryview) -> None:
-        """Write the body into `dst` (at least `nbytes`; 64-byte aligned for aligned arrays)."""
+        """Write the body into `dst` (at least `nbytes`; 64-byte aligned for aligned arrays).
+        The bytes of Blanks are left as they are (their owner fills them)."""
         if len(dst) < self.nbytes:
             raise ValueError(f"destination holds {len(dst)} bytes, the object needs {self.nbytes}")
         dst[:len(self._prefix)] = self._prefix
         for offset, src in self._buffers:
+            if type(src) is Blank:
+                continue
             if isinstance(src, np.ndarray):
                 view = np.frombuffer(dst, dtype=src.dtype, count=src.size, offset=offset)
                 np.copyto(view.reshape(src.shape), src, casting="no")
@@ -227,14 +314,15 @@ class Encoded:
                 view.view(src.shape).copy_(src)
 
 
-def encode(obj: Any, *, root: str = "obj") -> Encoded:
+def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:
     """Check and size `obj`; return an Encoded to write with `write_into`.
 
     Raises:
         NotSerializable: an unsupported type, an int outside 64 bits, nesting deeper than
-            MAX_DEPTH or a str that is not valid Unicode, with its path (obj['pixel_values'][2]).
+            MAX_DEPTH or a str that is not valid Unicode, with its path (obj['pixel_values'][2]);
+            a Blank unless `blanks` (StoreWriter.reserve).
     """
-    enc = _Encoder(root)
+    enc = _Encoder(root, blanks)
     tree = enc.walk(obj, (), 0)
     try:
         structure = msgpack.packb(tree)
@@ -249,13 +337,16 @@ def encode(obj: Any, *, root: str = "obj") -> Encoded:
     prefix = bytearray(table_end)
     BODY_HEADER.pack_into(prefix, 0, BODY_MAGIC, n_buffers, len(structure))
     buffers: list[tuple[int, Any]] = []
+    blank_list: list[tuple[tuple[Any, ...], int, Blank]] = []
     for i, (src, size) in enumerate(zip(enc.sources, enc.sizes)):
         offset = (nbytes + BUFFER_ALIGN_BYTES - 1) & ~(BUFFER_ALIGN_BYTES - 1)
         BUFFER_ENTRY.pack_into(prefix, BODY_HEADER.size + BUFFER_ENTRY.size * i, offset, size)
-        if size:
+        if type(src) is Blank:
+            blank_list.append((enc.paths[i], offset, src))
+        elif size:
             buffers.append((offset, src))
         nbytes = offset + size
-    return Encoded(bytes(prefix) + structure, buffers, nbytes)
+    return Encoded(bytes(prefix) + structure, buffers, nbytes, blank_list)
 
 
 def _bad_str_path(obj: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -23,8 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ._closeable import CallGuard
 from ._readers import Liveness
@@ -44,7 +48,7 @@ from .policy import EvictionPolicy
 from .ring import Chunk, RingWriter
 from .serde import Encoded, encode
 
-__all__ = ["StoreWriter"]
+__all__ = ["StoreWriter", "Reservation"]
 
 log = logging.getLogger("shmstore")
 
@@ -61,6 +65,21 @@ class _Entry:
     handouts: list[int] = field(default_factory=list)  # hand-out numbers not yet taken back
     hit: bool = False  # handed out again since it was (re)written
     live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
+    reserved: bool = False  # being filled by an open reserve(): neither live nor reclaimable
+
+
+class Reservation:
+    """What `StoreWriter.reserve` yields: the writable arrays/tensors, then the handle."""
+
+    def __init__(self, views: list[tuple[tuple[Any, ...], Any]]) -> None:
+        self.arrays: dict[Any, Any] = {(path[0] if len(path) == 1 else path): view
+                                       for path, view in views}
+        self.handle: Handle | None = None  # set when the block ends without an exception
+
+    def _seal(self) -> None:
+        for view in self.arrays.values():
+            if isinstance(view, np.ndarray):
+                view.flags.writeable = False  # the object is published (or abandoned)
 
 
 class StoreWriter(StoreBase):
@@ -116,6 +135,49 @@ class StoreWriter(StoreBase):
                 self._guard_leave()
         except BaseException:
             self._undo(done)
+            raise
+
+    @contextmanager
+    def reserve(self, key: str | bytes, template: Any,
+                timeout: float | None = 0) -> Iterator[Reservation]:
+        """Make room for `template` and let the caller write its arrays in place; store it on
+        exit (`.handle`), or not at all if the block raises.
+
+        `template` is any value put() accepts in which arrays/tensors still to be computed are
+        `Blank(shape, dtype)` (torch: `Blank(shape, dtype, torch=True)`). Inside the block,
+        `r.arrays[name]` (a top-level dict key; a path tuple for nested ones) is a writable
+        array/tensor in shared memory, undefined until written (like np.empty): fill it (numpy
+        `out=`, `np.copyto`, torch in-place ops) and nothing else is copied. After the block
+        numpy views are read-only; do not keep torch views (the bytes are published, or given
+        back).
+
+        Raises:
+            KeyExists, ObjectTooLarge, NotSerializable, StoreFull: as put(); StoreFull also if
+                the ring must reclaim a chunk still being filled by an open reserve().
+        """
+        check_key(key)
+        enc = encode(template, root="template", blanks=True)
+        done: list[tuple[_Entry, int]] = []
+        entry: _Entry | None = None
+        try:
+            self._guard_enter()
+            try:
+                entry = self._begin(key, enc, Deadline(timeout))
+                entry.reserved = True  # from here the user writes into it: not reclaimable
+                payload = self._writer_ring.payload(entry.chunk)[self._header_bytes:]
+                enc.write_into(payload)
+                reservation = Reservation(enc.blank_views(payload))
+                try:
+                    yield reservation
+                    reservation.handle = self._commit(entry, done)
+                finally:
+                    reservation._seal()
+            finally:
+                self._guard_leave()
+        except BaseException:
+            self._undo(done)
+            if entry is not None:
+                entry.reserved = False  # an orphan now: freed when the ring reaches it
             raise
 
     def get_cached(self, key: str | bytes) -> Handle:
@@ -202,9 +264,10 @@ class StoreWriter(StoreBase):
                     self._evictions += 1
             self._index.clear()
             for chunk in ring:
-                if not chunk.tombstoned:
+                if not chunk.tombstoned and not (chunk.owner and chunk.owner.reserved):
                     ring.tombstone(chunk)
-            while (oldest := ring.oldest()) is not None and not self._ledger.pinned_by(oldest.seq):
+            while ((oldest := ring.oldest()) is not None and oldest.tombstoned
+                   and not self._ledger.pinned_by(oldest.seq)):
                 ring.pop_oldest(oldest)
         finally:
             self._guard_leave()
@@ -291,6 +354,12 @@ class StoreWriter(StoreBase):
 
     def _put(self, key: str | bytes, enc: Encoded, deadline: Deadline,
              done: list[tuple[_Entry, int]]) -> Handle:
+        entry = self._begin(key, enc, deadline)
+        enc.write_into(self._writer_ring.payload(entry.chunk)[self._header_bytes:])
+        return self._commit(entry, done)
+
+    def _begin(self, key: str | bytes, enc: Encoded, deadline: Deadline) -> _Entry:
+        """Room for `enc` and its header written; the entry is not live yet."""
         digest = key_digest(key)
         if self._lookup(key) is not None:
             raise KeyExists(f"key {key!r} is already in store {self.name!r}: hand it out again "
@@ -307,12 +376,20 @@ class StoreWriter(StoreBase):
         crc = zlib.crc32(U64.pack(enc.nbytes), enc.structure_crc)
         OBJECT_HEADER.pack_into(payload, 0, digest, enc.nbytes, crc)
         payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
-        enc.write_into(payload[self._header_bytes:])
         entry = _Entry(key, Handle(chunk.address, chunk.seq, digest, self.epoch), chunk,
-                       enc.nbytes, crc)
-        chunk.owner = entry
-        self._by_seq[chunk.seq] = entry
-        self._index[key] = entry
+                       enc.nbytes, crc, live=False)
+        chunk.owner = entry  # not live: if we stop before _commit, the chunk is an orphan
+        return entry
+
+    def _commit(self, entry: _Entry, done: list[tuple[_Entry, int]]) -> Handle:
+        """Publish a reserved entry: index it and hand it out once."""
+        if self._lookup(entry.key) is not None:  # put meanwhile (inside a reserve block)
+            raise KeyExists(f"key {entry.key!r} was put into store {self.name!r} while it was "
+                            "reserved; the reservation is dropped", entry.key)
+        self._by_seq[entry.chunk.seq] = entry
+        self._index[entry.key] = entry
+        entry.reserved = False
+        entry.live = True
         self._puts += 1
         self._hand_out(entry, done)
         return entry.handle
@@ -379,6 +456,10 @@ class StoreWriter(StoreBase):
         chunk = ring.oldest()
         assert chunk is not None  # the caller checked
         entry = chunk.owner
+        if entry is not None and entry.reserved:
+            raise StoreFull(f"store {self.name!r} needs the space of an object still being "
+                            f"filled in a reserve() block (key {entry.key!r}); leave that block "
+                            "first, or create a larger store", 0, self.capacity_bytes, ())
         if entry is not None and entry.live:
             owed = self._owed(entry, force)
             if any(owed):

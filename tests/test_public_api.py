@@ -10,7 +10,7 @@ import shmstore
 EXPECTED = {
     "ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "Handle", "BroadcastQueue",
     "QueueWriter", "QueueReader", "Channel", "ChannelWriter", "ChannelReader", "CACHE_KINDS",
-    "SenderCache", "ReceiverCache", "CacheStats", "mm_hash", "dumps", "loads",
+    "SenderCache", "ReceiverCache", "CacheStats", "mm_hash", "dumps", "loads", "Blank",
     "ShmStoreError", "InvalidArgument", "SegmentNotFound", "SegmentExists",
     "SegmentPermissionError", "IncompatibleSegment", "ShmSpaceError", "SegmentClosed",
     "WrongProcess", "StoreFull", "ObjectTooLarge", "NotSerializable", "KeyExists", "KeyNotCached",
