@@ -32,84 +32,47 @@ Subclasses come back as their base type (an OrderedDict as a dict, a namedtuple 
 Zero-copy numpy arrays are read-only; zero-copy torch tensors cannot be (torch has no read-only
 tensors): do not write to them.
 """
-
 from __future__ import annotations
 
 import math
 import operator
-import struct
-import sys
-import warnings
 import zlib
 from typing import Any, cast
 
 import msgpack
 import numpy as np
 
-from .errors import CorruptObject, InvalidHandle, NotSerializable
-from .handle import HANDLE_WIRE, Handle
+from ._serde_decode import decode
+from ._serde_types import (
+    BODY_HEADER,
+    BODY_MAGIC,
+    BUFFER_ALIGN_BYTES,
+    BUFFER_ENTRY,
+    EXT_HANDLE,
+    EXT_NDARRAY,
+    EXT_SCALAR,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    MAX_DEPTH,
+    MAX_DIM,
+    MAX_NDIM,
+    NUMERIC_KINDS,
+    NUMPY_DTYPES,
+    TORCH_DTYPE_NAMES,
+    import_torch,
+    is_tensor,
+    torch_dtype_table,
+)
+from .errors import NotSerializable
+from .handle import Handle
 
 __all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER",
-           "BUFFER_ENTRY"]
+           "BUFFER_ENTRY", "BODY_MAGIC", "BUFFER_ALIGN_BYTES", "MAX_DEPTH", "EXT_NDARRAY",
+           "EXT_TENSOR", "EXT_TUPLE", "EXT_SCALAR", "EXT_HANDLE"]
 
-BODY_HEADER = struct.Struct("<4sIQ")
-BUFFER_ENTRY = struct.Struct("<QQ")
-BODY_MAGIC = b"SSB2"
-BUFFER_ALIGN_BYTES = 64  # one cache line; also what SIMD loads of every dtype want
-MAX_DEPTH = 100  # nesting levels; deeper structures (or cycles) are refused
-MAX_NDIM = 64  # numpy's limit
-MAX_DIM = 1 << 62  # any larger dimension cannot describe bytes in memory
-EXT_NDARRAY = 1
-EXT_TENSOR = 2
-EXT_TUPLE = 3
-EXT_SCALAR = 4
-EXT_HANDLE = 5
 _TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
 _INT_MIN = -(1 << 63)
 _INT_LIMIT = 1 << 64
-
-_NUMERIC_KINDS = frozenset("biufc")
-# Every numeric and bool numpy dtype in both byte orders, as dtype.str: the only dtypes decode
-# will build (an arbitrary dtype string could name object or structured dtypes).
-_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {}
-for _code in ("?", "b", "B", "h", "H", "i", "I", "l", "L", "q", "Q", "e", "f", "d", "g",
-              "F", "D", "G"):
-    for _dt in (np.dtype(_code), np.dtype(_code).newbyteorder()):
-        _NUMPY_DTYPES[_dt.str] = _dt
-
-_TORCH_DTYPE_NAMES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-)
-_torch_dtypes: dict[str, tuple[Any, int]] | None = None  # name -> (dtype, itemsize), lazily
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise ModuleNotFoundError(
-            "this object holds torch tensors but torch is not installed here: "
-            "pip install 'shmstore[torch]'"
-        ) from exc
-    return torch
-
-
-def _torch_dtype_table() -> dict[str, tuple[Any, int]]:
-    global _torch_dtypes
-    if _torch_dtypes is None:
-        torch = _torch()
-        _torch_dtypes = {
-            n: (getattr(torch, n), getattr(torch, n).itemsize)
-            for n in _TORCH_DTYPE_NAMES if hasattr(torch, n)
-        }
-    return _torch_dtypes
-
-
-def _is_tensor(obj: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _format_path(root: str, path: tuple[Any, ...]) -> str:
@@ -138,17 +101,17 @@ class Blank:
         self.torch = bool(torch)
         if self.torch:
             name = str(dtype).removeprefix("torch.")
-            if name not in _TORCH_DTYPE_NAMES:
+            if name not in TORCH_DTYPE_NAMES:
                 raise NotSerializable(f"blank torch dtype {dtype!r} is not supported", "dtype")
             self.dtype: Any = name
-            itemsize = _torch_dtype_table()[name][1]
+            itemsize = torch_dtype_table()[name][1]
         else:
             try:
                 np_dtype = np.dtype(dtype)
             except TypeError:
                 raise NotSerializable(f"blank dtype {dtype!r:.40} is not a numpy dtype",
                                       "dtype") from None
-            if np_dtype.str not in _NUMPY_DTYPES:
+            if np_dtype.str not in NUMPY_DTYPES:
                 raise NotSerializable(f"blank dtype {np_dtype} is not supported (bool and "
                                       "numeric dtypes only)", "dtype")
             self.dtype = np_dtype
@@ -203,10 +166,10 @@ class _Encoder:
             return self.blank(obj, path)
         if kind is Handle:
             return msgpack.ExtType(EXT_HANDLE, obj.pack())
-        if _is_tensor(obj):
+        if is_tensor(obj):
             return self.tensor(obj, path)
         if isinstance(obj, np.generic):
-            if obj.dtype.kind not in _NUMERIC_KINDS:
+            if obj.dtype.kind not in NUMERIC_KINDS:
                 raise self.fail(path, obj, f"numpy scalars of dtype {obj.dtype} are not supported")
             return msgpack.ExtType(EXT_SCALAR, msgpack.packb([obj.dtype.str, obj.tobytes()]))
         # Subclasses of the plain types travel as their base type (masked arrays would lose data).
@@ -236,7 +199,7 @@ class _Encoder:
         return len(self.sources) - 1
 
     def array(self, arr: np.ndarray, path: tuple[Any, ...]) -> msgpack.ExtType:
-        if arr.dtype.kind not in _NUMERIC_KINDS or arr.dtype.str not in _NUMPY_DTYPES:
+        if arr.dtype.kind not in NUMERIC_KINDS or arr.dtype.str not in NUMPY_DTYPES:
             raise self.fail(path, arr, f"arrays of dtype {arr.dtype} are not supported (only bool "
                             "and numeric dtypes)")
         index = self.add(arr, arr.nbytes, path)
@@ -247,9 +210,9 @@ class _Encoder:
         if t.device.type != "cpu":
             raise self.fail(path, t, f"the tensor is on {t.device}; move it to the CPU first "
                             "(tensor.cpu())")
-        if t.layout is not _torch().strided:
+        if t.layout is not import_torch().strided:
             raise self.fail(path, t, f"{t.layout} tensors are not supported; use .to_dense()")
-        if name not in _torch_dtype_table():  # e.g. quantized or sub-byte dtypes
+        if name not in torch_dtype_table():  # e.g. quantized or sub-byte dtypes
             raise self.fail(path, t, f"tensors of dtype {t.dtype} are not supported")
         t = t.detach().resolve_conj().resolve_neg()
         index = self.add(t, t.numel() * t.element_size(), path)
@@ -281,12 +244,12 @@ class Encoded:
         views = []
         for path, offset, blank in self.blanks:
             if blank.torch:
-                torch = _torch()
-                dtype = _torch_dtype_table()[blank.dtype][0]
+                torch = import_torch()
+                dtype = torch_dtype_table()[blank.dtype][0]
                 if blank.nbytes == 0:
                     views.append((path, torch.empty(blank.shape, dtype=dtype)))
                     continue
-                count = blank.nbytes // _torch_dtype_table()[blank.dtype][1]
+                count = blank.nbytes // torch_dtype_table()[blank.dtype][1]
                 views.append((path, torch.frombuffer(dst, dtype=dtype, count=count,
                                                      offset=offset).view(blank.shape)))
             elif blank.nbytes == 0:
@@ -309,7 +272,7 @@ class Encoded:
                 view = np.frombuffer(dst, dtype=src.dtype, count=src.size, offset=offset)
                 np.copyto(view.reshape(src.shape), src, casting="no")
             else:  # a torch tensor: copy_ takes any strides, so non-contiguous input is copied once
-                torch = _torch()
+                torch = import_torch()
                 view = torch.frombuffer(dst, dtype=src.dtype, count=src.numel(), offset=offset)
                 view.view(src.shape).copy_(src)
 
@@ -382,157 +345,3 @@ def dumps(obj: Any) -> bytes:
 def loads(data: bytes | bytearray | memoryview, *, copy: bool = True) -> Any:
     """Deserialize bytes made by `dumps` (or a body in shared memory); see `decode`."""
     return decode(memoryview(data), copy=copy)
-
-
-class _TupleMark:
-    """What EXT_TUPLE decodes to; list_hook turns [mark, *items] into a tuple."""
-
-
-_TUPLE_MARK = _TupleMark()
-
-
-class _Decoder:
-    def __init__(self, body: memoryview, copy: bool) -> None:
-        self.body = body
-        self.copy = copy
-        self.table: list[tuple[int, int]] = []
-        self.open_marks = 0  # tuple marks not (yet) at the head of an array
-
-    def list_hook(self, items: list[Any]) -> Any:
-        if items and items[0] is _TUPLE_MARK:
-            self.open_marks -= 1
-            return tuple(items[1:])
-        return items
-
-    def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_NDARRAY:
-            dtype_str, shape, index = self.meta(data, 3)
-            dtype = _NUMPY_DTYPES.get(dtype_str) if type(dtype_str) is str else None
-            if dtype is None:
-                raise CorruptObject(f"array dtype {dtype_str!r} is not one shmstore writes")
-            offset, count = self.buffer(index, shape, dtype.itemsize)
-            if count == 0:
-                return np.empty(shape, dtype=dtype)
-            arr = np.frombuffer(self.body, dtype=dtype, count=count, offset=offset).reshape(shape)
-            if self.copy:
-                return arr.copy()
-            arr.flags.writeable = False
-            return arr
-        if code == EXT_TENSOR:
-            name, shape, index = self.meta(data, 3)
-            entry = _torch_dtype_table().get(name) if type(name) is str else None
-            if entry is None:
-                raise CorruptObject(f"tensor dtype {name!r} is not one shmstore writes")
-            dtype, itemsize = entry
-            torch = _torch()
-            offset, count = self.buffer(index, shape, itemsize)
-            if count == 0:
-                return torch.empty(shape, dtype=dtype)
-            if self.copy:  # one memcpy into a fresh tensor, whatever the source buffer is
-                out = torch.empty(shape, dtype=dtype)
-                nbytes = count * itemsize
-                memoryview(out.view(-1).view(torch.uint8).numpy())[:] = (
-                    self.body[offset:offset + nbytes])
-                return out
-            if self.body.readonly:  # torch warns on read-only buffers; these views are read-only
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    t = torch.frombuffer(self.body, dtype=dtype, count=count, offset=offset)
-            else:
-                t = torch.frombuffer(self.body, dtype=dtype, count=count, offset=offset)
-            return t.view(shape)
-        if code == EXT_TUPLE:
-            if data:
-                raise CorruptObject(f"a tuple mark holds {len(data)} bytes, not 0")
-            self.open_marks += 1
-            return _TUPLE_MARK
-        if code == EXT_SCALAR:
-            dtype_str, raw = self.meta(data, 2)
-            dtype = _NUMPY_DTYPES.get(dtype_str) if type(dtype_str) is str else None
-            if dtype is None or type(raw) is not bytes or len(raw) != dtype.itemsize:
-                raise CorruptObject(f"bad numpy scalar {dtype_str!r} of {len(raw)} bytes")
-            return np.frombuffer(raw, dtype=dtype)[0]
-        if code == EXT_HANDLE:
-            if len(data) != HANDLE_WIRE.size:
-                raise CorruptObject(f"a Handle extension is {HANDLE_WIRE.size} bytes, got {len(data)}")
-            try:
-                return Handle.unpack(data)
-            except InvalidHandle as exc:
-                raise CorruptObject(str(exc)) from None
-        raise CorruptObject(f"unknown msgpack extension code {code}")
-
-    @staticmethod
-    def meta(data: bytes, n: int) -> list[Any]:
-        items = msgpack.unpackb(data, raw=False)
-        if type(items) is not list or len(items) != n:
-            raise CorruptObject(f"extension metadata is not a list of {n} items")
-        return items
-
-    def buffer(self, index: Any, shape: Any, itemsize: int) -> tuple[int, int]:
-        if type(index) is not int or not 0 <= index < len(self.table):
-            raise CorruptObject(f"buffer index {index!r} is outside the table of {len(self.table)}")
-        if (type(shape) is not list or len(shape) > MAX_NDIM
-                or any(type(d) is not int or not 0 <= d < MAX_DIM for d in shape)):
-            raise CorruptObject(f"bad array shape {shape!r:.200}")
-        count = math.prod(shape)
-        offset, nbytes = self.table[index]
-        if count * itemsize != nbytes:
-            raise CorruptObject(f"shape {shape} of {itemsize}-byte items needs {count * itemsize} "
-                                f"bytes, the buffer holds {nbytes}")
-        return offset, count
-
-
-def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = None,
-           crc_suffix: bytes = b"") -> Any:
-    """Rebuild an object from its body.
-
-    Args:
-        body: the encoded bytes, exactly (a memoryview into shared memory for zero copy).
-        copy: True returns owned arrays/tensors; False returns views into `body`, valid only while
-            the bytes stay unchanged.
-        expected_crc: when given, the CRC-32 of the header, buffer table and msgpack structure
-            (`Encoded.structure_crc`), continued over `crc_suffix`, must equal it.
-
-    Raises:
-        CorruptObject: any length, offset, dtype or shape that does not fit the body.
-    """
-    size = len(body)
-    if size < BODY_HEADER.size:
-        raise CorruptObject(f"object body is {size} bytes, shorter than its {BODY_HEADER.size}-byte "
-                            "header")
-    magic, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
-    if magic != BODY_MAGIC:
-        raise CorruptObject(f"object body starts with {bytes(magic)!r}, not {BODY_MAGIC!r}")
-    table_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers
-    struct_end = table_end + struct_bytes
-    if struct_end > size:
-        raise CorruptObject(f"object header claims {n_buffers} buffers and a {struct_bytes}-byte "
-                            f"structure, more than the {size}-byte body")
-    if expected_crc is not None:
-        found = zlib.crc32(crc_suffix, zlib.crc32(body[:struct_end]))
-        if found != expected_crc:
-            raise CorruptObject(f"object structure is damaged: CRC {found:#010x}, written as "
-                                f"{expected_crc:#010x}")
-    dec = _Decoder(body, copy)
-    low = struct_end
-    for i in range(n_buffers):
-        offset, nbytes = BUFFER_ENTRY.unpack_from(body, BODY_HEADER.size + BUFFER_ENTRY.size * i)
-        if offset % BUFFER_ALIGN_BYTES or offset < low or nbytes > size - offset:
-            raise CorruptObject(f"buffer {i} at offset {offset} of {nbytes} bytes does not fit "
-                                f"the {size}-byte body after the structure and buffer {i - 1}")
-        dec.table.append((offset, nbytes))
-        low = offset + nbytes
-    try:
-        obj = msgpack.unpackb(body[table_end:struct_end], ext_hook=dec.ext_hook,
-                              list_hook=dec.list_hook, raw=False, strict_map_key=False)
-    except CorruptObject:
-        raise
-    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError,
-            RuntimeError) as exc:
-        # msgpack's format errors (and StackError, for nesting beyond 1024) are ValueErrors;
-        # unhashable keys are TypeErrors; numpy/torch reject impossible shapes with the others
-        raise CorruptObject(f"object structure is not valid: {type(exc).__name__}: "
-                            f"{str(exc)[:200]}") from None
-    if dec.open_marks:
-        raise CorruptObject("a tuple mark appears elsewhere than at the head of an array")
-    return obj

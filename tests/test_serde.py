@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shmstore._serde_types import NUMPY_DTYPES as ALL_NUMPY_DTYPES
+from shmstore._serde_types import TORCH_DTYPE_NAMES
 from shmstore.serde import (
-    _NUMPY_DTYPES,
-    _TORCH_DTYPE_NAMES,
     BODY_HEADER,
     BUFFER_ENTRY,
     EXT_NDARRAY,
@@ -22,8 +22,8 @@ from shmstore.serde import (
 )
 from tests._names import CorruptObject, Handle, NotSerializable, decode, dumps, encode, loads
 
-NUMPY_DTYPES = sorted({dt.name for dt in _NUMPY_DTYPES.values()})
-TORCH_DTYPES = [getattr(torch, n) for n in _TORCH_DTYPE_NAMES if hasattr(torch, n)]
+NUMPY_DTYPES = sorted({dt.name for dt in ALL_NUMPY_DTYPES.values()})
+TORCH_DTYPES = [getattr(torch, n) for n in TORCH_DTYPE_NAMES if hasattr(torch, n)]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,209 @@
+"""How the store writer makes room: reclaiming, reinserting and dropping old objects.
+
+StoreSpace is StoreWriter's base (store_writer.py has the picture and the exception-safety
+rules). The oldest chunk goes when no attached reader owes a read on it and none is inside it
+(pins); the policy may copy a hit object forward instead; a damaged object that blocks the
+writer is dropped and counted; a chunk still being filled by an open reserve() is never taken.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ._store_layout import OBJECT_HEADER, ReaderLedger, StoreBase
+from ._wait import Deadline, wait_until
+from .errors import StoreFull
+from .handle import Handle
+from .policy import EvictionPolicy
+from .ring import Chunk, RingWriter
+
+__all__ = ["StoreSpace", "Entry"]
+
+log = logging.getLogger("shmstore")
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """The writer's record of one object."""
+
+    key: str | bytes
+    handle: Handle
+    chunk: Chunk
+    nbytes: int  # serialized body size
+    crc: int  # structure CRC as written
+    handouts: list[int] = field(default_factory=list)  # hand-out numbers not yet taken back
+    hit: bool = False  # handed out again since it was (re)written
+    live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
+    reserved: bool = False  # being filled by an open reserve(): neither live nor reclaimable
+
+
+class StoreSpace(StoreBase):
+    """The writer's space keeping; StoreWriter adds the API."""
+
+    _writer_ring: RingWriter
+    _policy: EvictionPolicy
+    _ledger: ReaderLedger
+    _index: dict[str | bytes, Entry]
+    _by_seq: dict[int, Entry]
+    _budget: int
+    _evictions: int
+    _full_events: int
+    _reinsertions: int
+    _bytes_reinserted: int
+    _damaged: int
+
+    # -- guard shortcuts ---------------------------------------------------------------------
+
+    def _guard_enter(self) -> None:
+        assert self._guard is not None  # set in __init__; never None on a writer
+        self._guard.enter()
+
+    def _guard_leave(self) -> None:
+        assert self._guard is not None
+        self._guard.leave()
+
+    def _guard_check(self) -> None:
+        assert self._guard is not None
+        self._guard.check()
+
+    # -- reclaiming space --------------------------------------------------------------------
+
+    def _make_room(self, payload_bytes: int, deadline: Deadline) -> Chunk:
+        ring = self._writer_ring
+        self._budget = self._policy.copy_budget(ring.chunk_bytes_for(payload_bytes))
+        counted = force = False
+        while True:
+            blockers: tuple[int, ...] = ()
+            while not ring.fits(payload_bytes):
+                if ring.oldest() is None:
+                    raise StoreFull(f"store {self.name!r} cannot hold {payload_bytes} bytes even "
+                                    f"when empty (capacity {self.capacity_bytes} bytes); create "
+                                    "a larger store", payload_bytes, self.capacity_bytes)
+                blockers = self._reclaim_oldest(force)
+                if blockers:
+                    break
+            else:
+                return ring.allocate(payload_bytes)
+            if not force:  # blocked: are the readers we wait for alive, is the object intact?
+                force = True
+                continue
+            if not counted:
+                self._full_events += 1
+                counted = True
+            if deadline.expired() or not wait_until(self._oldest_free, deadline,
+                                                    check=self._guard_check):
+                raise self._full_error(payload_bytes, deadline, blockers)
+            force = False
+
+    def _oldest_free(self) -> bool:
+        """Whether the oldest chunk could be reclaimed now (for waiting)."""
+        oldest = self._writer_ring.oldest()
+        if oldest is None:
+            return True
+        entry = oldest.owner
+        if entry is not None and entry.live and any(self._owed(entry, force=False)):
+            return False
+        return not self._ledger.pinned_by(oldest.seq) if oldest.tombstoned else True
+
+    def _reclaim_oldest(self, force: bool) -> tuple[int, ...]:
+        """Free (or, if the policy keeps it, move to the head) the oldest chunk; return the
+        readers that block it, () when it went."""
+        ring = self._writer_ring
+        chunk = ring.oldest()
+        assert chunk is not None  # the caller checked
+        entry = chunk.owner
+        if entry is not None and entry.reserved:
+            raise StoreFull(f"store {self.name!r} needs the space of an object still being "
+                            f"filled in a reserve() block (key {entry.key!r}); leave that block "
+                            "first, or create a larger store", 0, self.capacity_bytes, ())
+        if entry is not None and entry.live:
+            owed = self._owed(entry, force)
+            if any(owed):
+                if not (force and self._damaged_in_shm(entry)):
+                    return tuple(r for r, n in enumerate(owed) if n)
+                log.warning("store %r: object seq %d (key %r) is damaged in shared memory and "
+                            "cannot be read; dropping it", self.name, chunk.seq, entry.key)
+                self._damaged += 1
+                self._drop(entry)
+            elif self._policy.keep(entry.hit, chunk.chunk_bytes, self._budget):
+                return self._reinsert(entry)
+            else:
+                self._drop(entry)
+                self._evictions += 1
+        if not chunk.tombstoned:
+            ring.tombstone(chunk)
+        pinned = self._ledger.pinned_by(chunk.seq)
+        if pinned:
+            return pinned
+        ring.pop_oldest(chunk)
+        return ()
+
+    def _drop(self, entry: Entry) -> None:
+        entry.live = False  # first: lookups now ignore it, whatever happens next
+        if self._index.get(entry.key) is entry:
+            del self._index[entry.key]
+        if self._by_seq.get(entry.chunk.seq) is entry:
+            del self._by_seq[entry.chunk.seq]
+
+    def _reinsert(self, entry: Entry) -> tuple[int, ...]:
+        """Copy a fully read object from the tail to the head; its old handles become stale."""
+        ring = self._writer_ring
+        old = entry.chunk
+        entry.live = False  # until committed at the new place
+        saved = bytes(ring.payload(old))  # the new chunk may overlap the old one
+        ring.tombstone(old)
+        pinned = self._ledger.pinned_by(old.seq)
+        if pinned:  # a reader is inside it beyond its hand-outs: drop it instead
+            self._drop(entry)
+            self._evictions += 1
+            return pinned
+        ring.pop_oldest(old)
+        if self._by_seq.get(old.seq) is entry:
+            del self._by_seq[old.seq]
+        if not ring.fits(len(saved)):
+            self._drop(entry)
+            self._evictions += 1
+            return ()
+        new = ring.allocate(len(saved))
+        payload = ring.payload(new)
+        payload[:] = saved
+        payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
+        entry.chunk = new
+        entry.handle = Handle(new.address, new.seq, entry.handle.key_digest, self.epoch)
+        entry.handouts = []
+        entry.hit = False
+        new.owner = entry
+        self._by_seq[new.seq] = entry
+        entry.live = True
+        self._budget -= new.chunk_bytes
+        self._reinsertions += 1
+        self._bytes_reinserted += new.chunk_bytes
+        return ()
+
+    def _owed(self, entry: Entry, force: bool) -> list[int]:
+        """Reads each reader still owes on `entry`."""
+        return self._ledger.owed(entry.handouts, entry.chunk.address, force)
+
+    def _damaged_in_shm(self, entry: Entry) -> bool:
+        """Whether the chunk or object header in shared memory differs from what was written."""
+        ring = self._writer_ring
+        if not ring.header_intact(entry.chunk):
+            return True
+        digest, nbytes, crc = OBJECT_HEADER.unpack_from(ring.payload(entry.chunk), 0)
+        return (digest, nbytes, crc) != (entry.handle.key_digest, entry.nbytes, entry.crc)
+
+    def _full_error(self, payload_bytes: int, deadline: Deadline,
+                    blockers: tuple[int, ...]) -> StoreFull:
+        oldest = self._writer_ring.oldest()
+        entry = oldest.owner if oldest is not None else None
+        waited = f" after waiting {deadline.timeout_s} s" if deadline.timeout_s else ""
+        what = (f"the oldest object (key {entry.key!r}, handed out {len(entry.handouts)} times) "
+                "is still owed to" if entry is not None and entry.live
+                else "the oldest object is still being read by")
+        return StoreFull(
+            f"store {self.name!r} is full{waited}: {payload_bytes} bytes needed, "
+            f"{self._writer_ring.used_bytes} of {self.capacity_bytes} in use, and {what} "
+            f"reader(s) {list(blockers)}. Have them read it (or give_back() its handle), pass a "
+            "timeout to put(), or create a larger store",
+            payload_bytes, self.capacity_bytes, blockers)
