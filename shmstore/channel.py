@@ -32,6 +32,7 @@ from .handle import Handle
 from .segment import validate_name
 from .serde import encode
 from .store import ObjectStore, StoreReader, StoreWriter
+from .store_writer import Reservation
 
 __all__ = ["Channel", "ChannelWriter", "ChannelReader", "TAG_INLINE", "TAG_HANDLE"]
 
@@ -156,8 +157,27 @@ class ChannelWriter(_Pair):
             if key is None:
                 key = f"#channel-{next(self._anonymous)}"
             handle = store.put_encoded(key, enc, deadline.remaining())
+        self._publish_handle(handle, deadline)
+
+    @contextmanager
+    def reserve(self, template: Any, key: str | bytes | None = None,
+                timeout: float | None = None) -> Iterator[Reservation]:
+        """send() with the arrays written in place: `template` holds `Blank`s, the block fills
+        `r.arrays[...]` (see StoreWriter.reserve), and on a clean exit the value is stored and
+        sent; if the block raises, nothing is stored or sent. Always goes through the store."""
+        deadline = Deadline(timeout)
+        store: StoreWriter = self._store
+        if key is None:
+            key = f"#channel-{next(self._anonymous)}"
+        with store.reserve(key, template, deadline.remaining()) as reservation:
+            yield reservation
+        assert reservation.handle is not None  # set by a clean exit
+        self._publish_handle(reservation.handle, deadline)
+
+    def _publish_handle(self, handle: Handle, deadline: Deadline) -> None:
+        store: StoreWriter = self._store
         try:
-            queue.publish(encode((handle, store.handout_seq)), deadline, tag=TAG_HANDLE)
+            self._queue.publish(encode((handle, store.handout_seq)), deadline, tag=TAG_HANDLE)
         except BaseException:
             with suppress(ShmStoreError):  # closed meanwhile: nothing to give back to
                 store.give_back(handle)  # no reader will read this hand-out

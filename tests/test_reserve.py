@@ -103,3 +103,22 @@ def test_clear_inside_the_block_keeps_the_reservation(store) -> None:
     with pytest.raises(StaleHandle):
         r.get(old)
     assert r.get(res.handle)["x"].tolist() == [3] * 8
+
+
+def test_a_channel_sends_a_reserved_value_or_nothing(name: str) -> None:
+    from tests._names import Channel
+
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 20) as ch, \
+            Channel.attach(name, 0) as rd:
+        with pytest.raises(ValueError, match="resize failed"):
+            with ch.reserve({"px": Blank((64, 64), "float32")}, key="a") as res:
+                raise ValueError("resize failed")
+        assert not ch.store.is_cached("a")
+        with ch.reserve({"px": Blank((64, 64), "float32"), "id": 7}, key="a") as res:
+            res.arrays["px"][:] = 1.5
+        ch.send(2)  # an inline value after it: order is kept
+        got = rd.recv(timeout=1)
+        assert got["id"] == 7 and float(got["px"].sum()) == 1.5 * 64 * 64
+        assert rd.recv(timeout=1) == 2
+        ch.send("again", key="a")  # a cached key: the reserved object is handed out again
+        assert rd.recv(timeout=1)["id"] == 7
