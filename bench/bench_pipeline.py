@@ -9,6 +9,9 @@ process tree and the same run:
 
   shmstore        Channel: the tensor is put into the shared ring once, a Handle is broadcast,
                   readers use recv_view (zero copy)
+  shm reserve     the same Channel, but the producer writes its output straight into the ring
+                  (ChannelWriter.reserve, here a fill of the tensor): no copy in either direction;
+                  the time includes producing the bytes, which the other rows do beforehand
   pipe            pickle through one multiprocessing.Pipe per reader
   mp.Queue        one multiprocessing.Queue per reader
   torch.mp.Queue  torch.multiprocessing.Queue per reader; the tensor's storage moves to shared
@@ -37,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from shmstore import BroadcastQueue, Channel
+from shmstore import Blank, BroadcastQueue, Channel
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB]
 READERS = [1, 2, 4]
-METHODS = ["shmstore", "pipe", "mp.Queue", "torch.mp.Queue", "shm-per-item"]
+METHODS = ["shmstore", "shm reserve", "pipe", "mp.Queue", "torch.mp.Queue", "shm-per-item"]
 CTX = mp.get_context("spawn")
 
 
@@ -56,11 +59,12 @@ def items_for(size: int, quick: bool) -> int:
 def reader_main(method: str, name: str, index: int, n_items: int, inbox: Any, report: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     checksum = 0.0
-    if method == "shmstore":
+    if method in ("shmstore", "shm reserve"):
         ch = Channel.attach(name, reader=index)
         report.put(("ready", index))
         for _ in range(n_items):
-            with ch.recv_view(timeout=120) as arr:
+            with ch.recv_view(timeout=120) as value:
+                arr = value["x"] if method == "shm reserve" else value
                 checksum += float(arr[len(arr) // 2])
         ch.close()
     elif method == "shm-per-item":
@@ -97,7 +101,7 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
     inboxes: list[Any] = []
     senders: list[Any] = []
     writer: Any = None
-    if method == "shmstore":
+    if method in ("shmstore", "shm reserve"):
         writer = Channel.create(name, n_readers=n_readers, capacity_bytes=max(64 * MIB, 8 * size),
                                 inline_threshold=4 * KIB, n_slots=64)
         inboxes = [None] * n_readers
@@ -135,6 +139,9 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
             expected += float(src[count // 2])
             if method == "shmstore":
                 writer.send(src, timeout=120)
+            elif method == "shm reserve":  # the producer writes its output into the ring
+                with writer.reserve({"x": Blank((count,), "float32")}, timeout=120) as res:
+                    res.arrays["x"].fill(float(i % len(sources)))
             elif method == "pipe":
                 for s in senders:
                     s.send(src)
