@@ -185,10 +185,11 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         return self._store
 
     def is_cached_item(self, mm_hash: str) -> bool:
-        return self._store.is_cached(mm_hash)
+        # a hit needs both the object and P0's prompt updates
+        return mm_hash in self._updates and self._store.is_cached(mm_hash)
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
-        if mm_hash not in self._touched and self._store.is_cached(mm_hash):
+        if mm_hash not in self._touched and self.is_cached_item(mm_hash):
             self._touched[mm_hash] = self._store.get_cached(mm_hash)
 
     def release_sender_touches(self) -> None:
@@ -202,22 +203,23 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
         self._total += 1
         handle = self._touched.pop(mm_hash, None)
-        if handle is None and mm_hash in self._updates and self._store.is_cached(mm_hash):
+        if handle is None and self.is_cached_item(mm_hash):
             handle = self._store.get_cached(mm_hash)
-        if handle is not None and mm_hash in self._updates:
+        if handle is not None:
             self._hits += 1
             return handle_item(handle), self._updates[mm_hash]
-        if handle is not None:  # cached, but P0 lost its prompt updates: give it back
-            self._store.give_back(handle)
         if mm_item is None:
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
-        try:
-            handle = self._store.put(mm_hash, item_to_value(item), timeout=0)
-        except (ObjectTooLarge, StoreFull) as exc:
-            self.inline_fallbacks += 1
-            log.debug("shmstore: item %s sent inline (%s)", mm_hash, exc)
-            return mm_item  # type: ignore[no-any-return]
+        if self._store.is_cached(mm_hash):  # stored, but its prompt updates were dropped
+            handle = self._store.get_cached(mm_hash)
+        else:
+            try:
+                handle = self._store.put(mm_hash, item_to_value(item), timeout=0)
+            except (ObjectTooLarge, StoreFull) as exc:
+                self.inline_fallbacks += 1
+                log.debug("shmstore: item %s sent inline (%s)", mm_hash, exc)
+                return mm_item  # type: ignore[no-any-return]
         if len(self._updates) >= 2 * len(self._store) + 64:
             self._updates = {h: u for h, u in self._updates.items() if self._store.is_cached(h)}
         self._updates[mm_hash] = prompt_updates

@@ -318,3 +318,19 @@ def test_store_statistics_are_exported_as_prometheus_metrics(caches: Any) -> Non
     receivers[1].get_and_update_item(over_the_wire(out), "h9")
     sender.close()
     assert "shmstore_puts_total" not in generate_latest().decode()  # gone with the cache
+
+
+def test_a_stored_item_whose_prompt_updates_were_dropped_is_a_miss_and_then_a_hit(
+        caches: Any) -> None:
+    sender, receivers = caches
+    item = image_item(11)
+    out, _ = sender.get_and_update_item((item, ["u"]), "h11")
+    for r in receivers:
+        r.get_and_update_item(over_the_wire(out), "h11")
+    sender._updates.clear()  # as if P0 had lost them (vLLM cannot be handed out without them)
+    assert not sender.is_cached_item("h11")
+    out, updates = sender.get_and_update_item((item, ["u2"]), "h11")  # no KeyExists
+    assert updates == ["u2"] and sender.store.stats().puts == 1  # stored once, handed out again
+    for r in receivers:
+        assert same_item(r.get_and_update_item(over_the_wire(out), "h11"), item)
+    assert sender.is_cached_item("h11")
