@@ -1,0 +1,140 @@
+"""Where a sleeping reader's wake-up time goes: shmstore's queue against a bare semaphore.
+
+    OMP_NUM_THREADS=1 python bench/bench_wakeup.py [--messages N] [--gap-ms G]
+
+1. The cost of one `put` (no reader attached) right after the writer was idle for 0, 1 and
+   20 ms: the same Python code on a CPU that went idle.
+2. One message every G ms (readers fall asleep between them): latency from just before `put`
+   to the reader's `get` returning, and the part of it until the reader's semaphore wait
+   returned (the rest is the reader's own code after waking).
+3. The floor: a bare POSIX semaphore posted by one Python process and waited on by another,
+   same pacing.
+Medians and 99th percentiles over N messages.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any
+
+from shmstore import BroadcastQueue
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e6
+
+
+def put_after_idle() -> dict[float, float]:
+    q = BroadcastQueue.create(None, 1, slot_bytes=64, n_slots=64)
+    try:
+        costs = {}
+        for gap in (0.0, 0.001, 0.02):
+            times = []
+            for _ in range(60):
+                if gap:
+                    time.sleep(gap)
+                started = time.perf_counter()
+                q.put(started, timeout=0)
+                times.append(time.perf_counter() - started)
+            costs[gap] = statistics.median(times) * 1e6
+        return costs
+    finally:
+        q.close()
+
+
+def queue_reader(name: str, n: int, out: Any) -> None:
+    import shmstore._wait as wait
+
+    woke: list[float] = []
+    original = wait.Doorbell.wait
+
+    def timed_wait(self: Any, seconds: float) -> None:
+        original(self, seconds)
+        woke.append(time.perf_counter())
+
+    wait.Doorbell.wait = timed_wait  # type: ignore[method-assign]
+    q = BroadcastQueue.attach(name, 0)
+    rows = []
+    for _ in range(n):
+        sent = q.get()
+        rows.append((sent, woke[-1] if woke else 0.0, time.perf_counter()))
+    out.put(rows)
+    q.close()
+
+
+def semaphore_reader(name: str, n: int, out: Any) -> None:
+    import posix_ipc
+
+    sem = posix_ipc.Semaphore(name)
+    got = []
+    for _ in range(n):
+        sem.acquire()
+        got.append(time.perf_counter())
+    out.put(got)
+    sem.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=200)
+    parser.add_argument("--gap-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    n, gap = args.messages, args.gap_ms / 1e3
+    ctx = mp.get_context("spawn")
+
+    costs = put_after_idle()
+    print("put with no reader, after the writer was idle for: "
+          + ", ".join(f"{g * 1e3:g} ms: {c:.1f} us" for g, c in costs.items()))
+
+    q = BroadcastQueue.create(None, 1, slot_bytes=64, n_slots=64)
+    out = ctx.Queue()
+    p = ctx.Process(target=queue_reader, args=(q.name, n, out))
+    p.start()
+    try:
+        q.wait_for_readers(60)
+        time.sleep(0.5)
+        for _ in range(n):
+            time.sleep(gap)
+            q.put(time.perf_counter())
+        rows = out.get(timeout=120)
+    finally:
+        p.join(60)
+        q.close()
+    total = [done - sent for sent, _, done in rows]
+    to_wake = [woke - sent for sent, woke, _ in rows if woke > sent]
+    print(f"queue, one message per {args.gap_ms:g} ms: put to get p50 {pct(total, 0.5):.0f} us, "
+          f"p99 {pct(total, 0.99):.0f} us; of which until the reader's wait returned p50 "
+          f"{pct(to_wake, 0.5):.0f} us")
+
+    import posix_ipc
+
+    name = f"/bench-wakeup-{os.getpid()}"
+    sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX)
+    p = ctx.Process(target=semaphore_reader, args=(name, n, out))
+    p.start()
+    try:
+        time.sleep(1.0)
+        sent = []
+        for _ in range(n):
+            time.sleep(gap)
+            sent.append(time.perf_counter())
+            sem.release()
+        got = out.get(timeout=120)
+    finally:
+        p.join(60)
+        sem.unlink()
+        sem.close()
+    floor = [g - s for g, s in zip(got, sent)]
+    print(f"bare semaphore, same pacing: p50 {pct(floor, 0.5):.0f} us, p99 {pct(floor, 0.99):.0f} us")
+
+
+if __name__ == "__main__":
+    main()
