@@ -37,7 +37,7 @@ from ._proc import int_arg
 from .errors import CorruptObject, InvalidArgument, ObjectTooLarge, StoreFull
 from .handle import check_key
 from .segment import MAX_CAPACITY_BYTES
-from .serde import encode
+from .serde import encode, materialize
 from .store import ObjectStore, StoreReader, StoreWriter
 
 __all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
@@ -105,6 +105,19 @@ class SenderCache(Closeable):
     def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
         """Return the payload for `key`, calling make_value() only on a miss."""
         raise NotImplementedError
+
+    def process_into(self, key: str | bytes, template: Any,
+                     fill: Callable[[dict[Any, Any]], None]) -> Any:
+        """process() for a value whose arrays are computed in place: `template` holds Blanks
+        (see StoreWriter.reserve) and, on a miss only, `fill(arrays)` writes them. The shm
+        kinds hand it the arrays' places in shared memory (nothing is copied); otherwise, and
+        for values sent inline, arrays in this process's memory."""
+        def make_value() -> Any:
+            value, arrays = materialize(template)
+            fill(arrays)
+            return value
+
+        return self.process(key, make_value)
 
     def stats(self) -> CacheStats:
         raise NotImplementedError
@@ -198,6 +211,28 @@ class ShmSenderCache(SenderCache):
         except (ObjectTooLarge, StoreFull):
             self._fallbacks += 1
             return (PAYLOAD_VALUE, value)
+
+    def process_into(self, key: str | bytes, template: Any,
+                     fill: Callable[[dict[Any, Any]], None]) -> Any:
+        store = self.store
+        if store.is_cached(key):
+            self._count(store.object_bytes(key), hit=True)
+            return (PAYLOAD_HANDLE, store.get_cached(key))
+        filling = False
+        try:
+            with store.reserve(key, template, timeout=0) as reservation:
+                filling = True
+                fill(reservation.arrays)
+        except (ObjectTooLarge, StoreFull):
+            if filling:
+                raise  # from fill itself, not from making room
+            self._fallbacks += 1
+            value, arrays = materialize(template)
+            fill(arrays)
+            self._count(encode(value).nbytes, hit=False)
+            return (PAYLOAD_VALUE, value)
+        self._count(store.object_bytes(key), hit=False)
+        return (PAYLOAD_HANDLE, reservation.handle)
 
     def stats(self) -> CacheStats:
         s = self.store.stats()

@@ -66,7 +66,8 @@ from ._serde_types import (
 from .errors import NotSerializable
 from .handle import Handle
 
-__all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "BODY_HEADER",
+__all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "materialize", "blank_key",
+           "BODY_HEADER",
            "BUFFER_ENTRY", "BODY_MAGIC", "BUFFER_ALIGN_BYTES", "MAX_DEPTH", "EXT_NDARRAY",
            "EXT_TENSOR", "EXT_TUPLE", "EXT_SCALAR", "EXT_HANDLE"]
 
@@ -120,6 +121,34 @@ class Blank:
 
     def __repr__(self) -> str:
         return f"Blank({self.shape}, {self.dtype}{', torch=True' if self.torch else ''})"
+
+
+def blank_key(path: tuple[Any, ...]) -> Any:
+    """How a Blank at `path` is named in `arrays`: its dict key at the top level, else the path."""
+    return path[0] if len(path) == 1 else path
+
+
+def materialize(template: Any) -> tuple[Any, dict[Any, Any]]:
+    """`template` with each Blank replaced by a fresh, uninitialised array or tensor in this
+    process's memory, and those arrays named as StoreWriter.reserve names them."""
+    arrays: dict[Any, Any] = {}
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+        if type(obj) is Blank:
+            if obj.torch:
+                made: Any = import_torch().empty(obj.shape, dtype=torch_dtype_table()[obj.dtype][0])
+            else:
+                made = np.empty(obj.shape, dtype=obj.dtype)
+            arrays[blank_key(path)] = made
+            return made
+        if type(obj) is dict:
+            return {k: walk(v, path + (k,)) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            items = [walk(v, path + (i,)) for i, v in enumerate(obj)]
+            return items if type(obj) is list else tuple(items)
+        return obj
+
+    return walk(template, ()), arrays
 
 
 class _Encoder:

@@ -44,7 +44,7 @@ from .errors import KeyExists, KeyNotCached, ObjectTooLarge, StaleHandle, Timeou
 from .handle import Handle, check_key, key_digest
 from .policy import EvictionPolicy
 from .ring import RingWriter
-from .serde import Encoded, encode
+from .serde import Encoded, blank_key, encode
 
 __all__ = ["StoreWriter", "Reservation"]
 
@@ -53,8 +53,7 @@ class Reservation:
     """What `StoreWriter.reserve` yields: the writable arrays/tensors, then the handle."""
 
     def __init__(self, views: list[tuple[tuple[Any, ...], Any]]) -> None:
-        self.arrays: dict[Any, Any] = {(path[0] if len(path) == 1 else path): view
-                                       for path, view in views}
+        self.arrays: dict[Any, Any] = {blank_key(path): view for path, view in views}
         self.handle: Handle | None = None  # set when the block ends without an exception
 
     def _seal(self) -> None:

@@ -86,6 +86,31 @@ def test_too_large_values_go_inline_and_nothing_is_dropped(cache: Harness) -> No
     assert cache.sender.stats().inline_fallbacks == 1
 
 
+def test_process_into_fills_in_place_once_and_falls_back_inline(cache: Harness) -> None:
+    from tests._names import Blank
+
+    calls = []
+
+    def fill(arrays: dict[Any, Any]) -> None:
+        calls.append(1)
+        arrays["pixel_values"].fill(9)  # the preprocessor's only write of these bytes
+
+    template = {"pixel_values": Blank((OBJ_BYTES,), "uint8"), "tag": 9}
+    for _ in range(3):
+        payload = cache.sender.process_into("k9", template, fill)
+        for r in cache.receivers:
+            value = r.resolve(payload)
+            assert value["tag"] == 9 and int(value["pixel_values"].sum()) == 9 * OBJ_BYTES
+    assert len(calls) == 1
+    assert cache.sender.stats().hits == 2
+    big = {"pixel_values": Blank((2 * CAPACITY,), "uint8")}
+    payload = cache.sender.process_into("big", big, lambda a: a["pixel_values"].fill(1))
+    assert payload[0] == PAYLOAD_VALUE  # too large for any kind: inline, filled in memory
+    for r in cache.receivers:
+        assert int(r.resolve(payload)["pixel_values"].sum()) == 2 * CAPACITY
+    assert cache.sender.stats().inline_fallbacks == 1
+
+
 def test_many_requests_all_resolve(cache: Harness) -> None:
     rng = np.random.default_rng(0)
     for tag in rng.integers(0, 8, 200):
@@ -186,3 +211,17 @@ def test_lru_mirror_out_of_step_is_reported(name: str) -> None:
     sender.process("a", lambda: obj(1))  # the receiver never sees this payload
     with pytest.raises(CorruptObject, match="missed a payload"):
         receiver.resolve(sender.process("a", lambda: obj(1)))
+
+
+def test_process_into_whose_fill_raises_caches_nothing(cache: Harness) -> None:
+    from tests._names import Blank
+
+    def broken(arrays: dict[Any, Any]) -> None:
+        raise OSError("cannot decode the image")
+
+    with pytest.raises(OSError, match="cannot decode"):
+        cache.sender.process_into("bad", {"x": Blank((64,), "uint8")}, broken)
+    payload = cache.sender.process_into("bad", {"x": Blank((64,), "uint8")},
+                                        lambda a: a["x"].fill(3))
+    assert all(int(r.resolve(payload)["x"].sum()) == 3 * 64 for r in cache.receivers)
+    assert cache.sender.stats().hits == 0  # the first attempt left nothing behind
