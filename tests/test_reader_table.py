@@ -74,12 +74,17 @@ def _hold(kind: str, name: str, reader: int, attached: Any) -> None:
     time.sleep(60)
 
 
-def _contend(kind: str, name: str, rounds: int, holders: Any, overlaps: Any, wins: Any) -> None:
+def _contend(kind: str, name: str, rounds: int, holders: Any, overlaps: Any, wins: Any,
+             busy: Any, ready: Any, go: Any) -> None:
     side = Side(kind)
+    ready.release()
+    go.wait(60)  # both processes start racing together
     for _ in range(rounds):
         try:
             reader = side.attach(name, 0)
         except ReaderSlotBusy:
+            with busy.get_lock():
+                busy.value += 1
             continue
         with holders.get_lock():
             holders.value += 1
@@ -87,6 +92,7 @@ def _contend(kind: str, name: str, rounds: int, holders: Any, overlaps: Any, win
                 overlaps.value += 1
         with wins.get_lock():
             wins.value += 1
+        time.sleep(0.0002)  # hold the row a little: the other process tries meanwhile
         with holders.get_lock():
             holders.value -= 1
         reader.close()
@@ -162,16 +168,23 @@ class TestReaderTableContract:
     def test_attach_is_exclusive_across_racing_processes(self, side: Side, name: str) -> None:
         with side.create(name, 1):
             holders, overlaps = SPAWN.Value("i", 0), SPAWN.Value("i", 0)
-            wins = SPAWN.Value("i", 0)
+            wins, busy = SPAWN.Value("i", 0), SPAWN.Value("i", 0)
+            ready, go = SPAWN.Semaphore(0), SPAWN.Event()
             procs = [SPAWN.Process(target=_contend, args=(side.kind, name, 150, holders,
-                                                          overlaps, wins)) for _ in range(2)]
+                                                          overlaps, wins, busy, ready, go))
+                     for _ in range(2)]
             for p in procs:
                 p.start()
+            for _ in procs:
+                assert ready.acquire(timeout=60)
+            go.set()
             for p in procs:
                 p.join(60)
                 assert p.exitcode == 0
-            assert overlaps.value == 0
-            assert wins.value >= 150  # at least one process won most of its rounds
+            print(f"{side.kind}: {wins.value} attaches won, {busy.value} refused as busy")
+            assert overlaps.value == 0  # never two holders of one index
+            assert wins.value + busy.value == 300
+            assert wins.value > 0 and busy.value > 0, (wins.value, busy.value)  # a real race
 
     def test_a_forked_child_cannot_use_the_parents_reader(self, side: Side, name: str) -> None:
         with side.create(name, 1), side.attach(name, 0) as r:
