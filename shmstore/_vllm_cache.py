@@ -66,7 +66,6 @@ log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it wit
 HANDLE_FIELD = "shmstore_handle"
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}
-_DEFAULT_NAME = "VLLM_OBJECT_STORAGE_SHM_BUFFER"
 _GIB = 1 << 30
 _MIB = 1 << 20
 
@@ -76,7 +75,11 @@ def _settings(vllm_config: Any) -> tuple[str, int, int, int]:
     mm_config = vllm_config.model_config.get_multimodal_config()
     capacity = int(mm_config.mm_processor_cache_gb * _GIB)
     max_object = min(int(mm_config.mm_shm_cache_max_object_size_mb * _MIB), capacity)
-    name = os.environ.get("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", _DEFAULT_NAME)
+    import vllm.envs as envs
+
+    # vLLM's own: the variable if set, else a fresh name per process tree (set in the
+    # environment, so the workers it starts find the same segment)
+    name = envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME
     return name, capacity, max_object, int(vllm_config.parallel_config.world_size)
 
 

@@ -334,3 +334,19 @@ def test_a_stored_item_whose_prompt_updates_were_dropped_is_a_miss_and_then_a_hi
     for r in receivers:
         assert same_item(r.get_and_update_item(over_the_wire(out), "h11"), item)
     assert sender.is_cached_item("h11")
+
+
+def test_without_a_name_each_server_gets_vllms_unique_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
+    sender = ShmstoreSenderCache(config("unused", world_size=1))
+    try:
+        name = sender.store.name
+        assert name.startswith("vllm_mm_")  # vLLM's per-process-tree name, not a fixed one
+        assert os.environ["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"] == name  # workers inherit it
+        receiver = ShmstoreReceiverCache(config("unused", world_size=1), None)
+        out, _ = sender.get_and_update_item((image_item(12), []), "h12")
+        assert same_item(receiver.get_and_update_item(over_the_wire(out), "h12"),
+                         image_item(12))
+        receiver.close()
+    finally:
+        sender.close()
