@@ -33,7 +33,7 @@ class Entry:
     nbytes: int  # serialized body size
     crc: int  # structure CRC as written
     handouts: list[int] = field(default_factory=list)  # hand-out numbers not yet taken back
-    hit: bool = False  # handed out again since it was (re)written
+    uses: int = 0  # the policy's use count (hits since written, as the policy counts them)
     live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
     reserved: bool = False  # being filled by an open reserve(): neither live nor reclaimable
 
@@ -126,11 +126,10 @@ class StoreSpace(StoreBase):
                             "cannot be read; dropping it", self.name, chunk.seq, entry.key)
                 self._damaged += 1
                 self._drop(entry)
-            elif self._policy.keep(entry.hit, chunk.chunk_bytes, self._budget):
+            elif self._policy.keep(entry.uses, chunk.chunk_bytes, self._budget):
                 return self._reinsert(entry)
             else:
-                self._drop(entry)
-                self._evictions += 1
+                self._evict(entry)
         if not chunk.tombstoned:
             ring.tombstone(chunk)
         pinned = self._ledger.pinned_by(chunk.seq)
@@ -146,6 +145,12 @@ class StoreSpace(StoreBase):
         if self._by_seq.get(entry.chunk.seq) is entry:
             del self._by_seq[entry.chunk.seq]
 
+    def _evict(self, entry: Entry) -> None:
+        """Drop `entry` by the policy's decision (counted, and told to the policy)."""
+        self._drop(entry)
+        self._evictions += 1
+        self._policy.evicted(entry.key, len(self._index))
+
     def _reinsert(self, entry: Entry) -> tuple[int, ...]:
         """Copy a fully read object from the tail to the head; its old handles become stale."""
         ring = self._writer_ring
@@ -155,15 +160,13 @@ class StoreSpace(StoreBase):
         ring.tombstone(old)
         pinned = self._ledger.pinned_by(old.seq)
         if pinned:  # a reader is inside it beyond its hand-outs: drop it instead
-            self._drop(entry)
-            self._evictions += 1
+            self._evict(entry)
             return pinned
         ring.pop_oldest(old)
         if self._by_seq.get(old.seq) is entry:
             del self._by_seq[old.seq]
         if not ring.fits(len(saved)):
-            self._drop(entry)
-            self._evictions += 1
+            self._evict(entry)
             return ()
         new = ring.allocate(len(saved))
         payload = ring.payload(new)
@@ -172,7 +175,7 @@ class StoreSpace(StoreBase):
         entry.chunk = new
         entry.handle = Handle(new.address, new.seq, entry.handle.key_digest, self.epoch)
         entry.handouts = []
-        entry.hit = False
+        entry.uses = self._policy.kept(entry.uses)
         new.owner = entry
         self._by_seq[new.seq] = entry
         entry.live = True

@@ -56,6 +56,7 @@ from .errors import (
     StoreFull,
 )
 from .handle import Handle
+from .policy import DEFAULT_POLICY
 from .store import ObjectStore, StoreReader, StoreWriter
 from .vllm_plugin import POLICY_ENV
 
@@ -165,7 +166,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def __init__(self, vllm_config: Any) -> None:
         super().__init__()
         name, capacity, max_object, n_readers = _settings(vllm_config)
-        policy = os.environ.get(POLICY_ENV, "reinsert").strip() or "reinsert"
+        policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
         try:
             self._store: StoreWriter = ObjectStore.create(
                 name, capacity_bytes=capacity, n_readers=n_readers, max_object_bytes=max_object,

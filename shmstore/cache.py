@@ -13,6 +13,8 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   copy of the budget, shared by all workers.
     shm-reinsert  the same ring with FIFO-reinsertion: an object hit since it was written is
                   copied forward instead of dropped (bytes copied are reported).
+    shm-freq      the same ring with the `freq` policy (the recommended kind): a 2-bit use
+                  count and a ghost list of evicted keys decide what is copied forward.
     lru           mirrored LRU: the sender keeps keys and sizes in an LRU with the budget and sends
                   only the key on a hit; every worker keeps the values in its own process memory
                   in an LRU of the same budget, fed by the misses, so the mirrors stay in step.
@@ -43,7 +45,7 @@ from .store import ObjectStore, StoreReader, StoreWriter
 __all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
            "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]
 
-CACHE_KINDS = ("shm-fifo", "shm-reinsert", "lru")
+CACHE_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "lru")
 PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
 PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
 PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
@@ -84,7 +86,7 @@ class SenderCache(Closeable):
     @staticmethod
     def create(kind: str, *, capacity_bytes: int, n_readers: int = 1, name: str | None = None,
                max_object_bytes: int | None = None) -> SenderCache:
-        """Make the sender of a cache of `kind` ("shm-fifo", "shm-reinsert" or "lru").
+        """Make the sender of a cache of `kind` (one of CACHE_KINDS).
 
         Args:
             capacity_bytes: the byte budget (every lru receiver needs the same value).
@@ -187,7 +189,7 @@ def _bad_payload(payload: Any, kind: str) -> CorruptObject:
 # -- shared-memory kinds ------------------------------------------------------------------------
 
 class ShmSenderCache(SenderCache):
-    """shm-fifo / shm-reinsert sender: the ObjectStore writer."""
+    """shm-* sender: the ObjectStore writer, with the policy the kind names."""
 
     def __init__(self, kind: str, name: str | None, capacity_bytes: int, n_readers: int,
                  max_object_bytes: int | None) -> None:
@@ -195,7 +197,7 @@ class ShmSenderCache(SenderCache):
         self.kind = kind
         self.store: StoreWriter = ObjectStore.create(
             name, capacity_bytes, n_readers, max_object_bytes,
-            policy="fifo" if kind == "shm-fifo" else "reinsert")
+            policy=kind.removeprefix("shm-"))
         self.name = self.store.name
 
     def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
@@ -243,7 +245,7 @@ class ShmSenderCache(SenderCache):
 
 
 class ShmReceiverCache(ReceiverCache):
-    """shm-fifo / shm-reinsert receiver: an ObjectStore reader."""
+    """shm-* receiver: an ObjectStore reader."""
 
     def __init__(self, kind: str, name: str, reader: int) -> None:
         self.kind = kind

@@ -2,38 +2,75 @@
 
 The store owns the bytes and the "reclaim the oldest until the new object fits" loop; when the
 oldest object is one that every reader is done with, it asks the policy whether to drop it or
-to keep it by copying it to the head. A policy never sees shared memory.
+to keep it by copying it to the head. A policy never sees shared memory; it sees keys, a small
+use count per object, and sizes. `hitsim.py` runs the same policies on metadata alone.
 
     fifo      drop it (vLLM's shm cache behaves this way)
     reinsert  FIFO-reinsertion (CLOCK with one bit): keep an object that was handed out again
-              since it was (re)written, while the put's copy budget lasts; the copy clears
-              its bit, so an object that is not hit again goes next time
+              since it was (re)written, while the put's copy budget (2x its size) lasts
+    freq      the default: a 2-bit use count instead of one bit, and a ghost list. Each hit
+              adds one (up to 3); a copy forward takes one off, so an object that stops being
+              used goes after at most 3 more passes. The keys of the last evicted objects (as
+              many as are cached) are remembered: a key that comes back after being evicted
+              has proved it is reused beyond one pass of the ring, and starts at 2 instead
+              of 0. Copy budget: 4x the put's size.
+
+One-time items go after one pass and are never copied; an item hit once is copied once; the
+ghost catches items whose reuse distance is just longer than the ring.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
+
 from .errors import InvalidArgument
 
-__all__ = ["EvictionPolicy", "FifoPolicy", "ReinsertPolicy", "POLICIES", "POLICY_IDS",
-           "make_policy", "REINSERT_BUDGET_FACTOR"]
+__all__ = ["EvictionPolicy", "FifoPolicy", "ReinsertPolicy", "FreqPolicy", "POLICIES",
+           "POLICY_IDS", "DEFAULT_POLICY", "make_policy"]
 
-REINSERT_BUDGET_FACTOR = 2  # one put may copy at most this many times its own size forward
+DEFAULT_POLICY = "freq"
 
 
 class EvictionPolicy:
-    """Decides whether the oldest reclaimable object stays; subclasses set `name` and `id`."""
+    """Decides whether the oldest reclaimable object stays; subclasses set `name` and `id`.
+
+    The store calls `admitted` for every new object, `hit` for every hand-out of a cached one,
+    `keep` (then `kept` if it copied it) when the object is the oldest, and `evicted` when the
+    policy's decision dropped it. A use count lives with the store's record of the object.
+    """
 
     name = ""
     id = 0  # stored in the segment header, so readers and tools can show the policy
+    budget_factor = 0  # one put may copy this many times its own ring bytes forward
+    max_uses = 1
 
     def copy_budget(self, chunk_bytes: int) -> int:
         """Bytes one put of `chunk_bytes` may spend copying old objects forward."""
+        return self.budget_factor * chunk_bytes
+
+    def admitted(self, key: Hashable) -> int:
+        """The use count a newly stored object starts with."""
         return 0
 
-    def keep(self, hit: bool, chunk_bytes: int, budget_bytes: int) -> bool:
-        """Whether an object of `chunk_bytes`, hit since it was written or not, is copied to
-        the head instead of dropped, with `budget_bytes` of copying left for this put."""
-        raise NotImplementedError
+    def hit(self, uses: int) -> int:
+        """The use count after one more hand-out."""
+        return min(uses + 1, self.max_uses)
+
+    def keep(self, uses: int, chunk_bytes: int, budget_bytes: int) -> bool:
+        """Whether the oldest object, of `chunk_bytes` and use count `uses`, is copied to the
+        head instead of dropped, with `budget_bytes` of copying left for this put."""
+        return False
+
+    def kept(self, uses: int) -> int:
+        """The use count of an object just copied forward."""
+        return 0
+
+    def evicted(self, key: Hashable, cached: int) -> None:
+        """The policy dropped `key`; `cached` objects remain."""
+
+    def clear(self) -> None:
+        """Forget any history (the store was cleared)."""
 
 
 class FifoPolicy(EvictionPolicy):
@@ -42,24 +79,57 @@ class FifoPolicy(EvictionPolicy):
     name = "fifo"
     id = 1
 
-    def keep(self, hit: bool, chunk_bytes: int, budget_bytes: int) -> bool:
-        return False
-
 
 class ReinsertPolicy(EvictionPolicy):
     """Copy the oldest object forward if it was hit since it was written (budget allowing)."""
 
     name = "reinsert"
     id = 2
+    budget_factor = 2
 
-    def copy_budget(self, chunk_bytes: int) -> int:
-        return REINSERT_BUDGET_FACTOR * chunk_bytes
-
-    def keep(self, hit: bool, chunk_bytes: int, budget_bytes: int) -> bool:
-        return hit and chunk_bytes <= budget_bytes
+    def keep(self, uses: int, chunk_bytes: int, budget_bytes: int) -> bool:
+        return uses > 0 and chunk_bytes <= budget_bytes
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"fifo": FifoPolicy, "reinsert": ReinsertPolicy}
+class FreqPolicy(ReinsertPolicy):
+    """2-bit use count, decremented by each copy forward, and a ghost list of evicted keys."""
+
+    name = "freq"
+    id = 3
+    budget_factor = 4
+    max_uses = 3
+    ghost_start = 2  # use count of a key that returns while its ghost is remembered
+
+    def __init__(self) -> None:
+        self._ghosts: OrderedDict[Hashable, None] = OrderedDict()
+
+    def admitted(self, key: Hashable) -> int:
+        if key in self._ghosts:
+            del self._ghosts[key]
+            return self.ghost_start
+        return 0
+
+    def kept(self, uses: int) -> int:
+        return uses - 1
+
+    def evicted(self, key: Hashable, cached: int) -> None:
+        ghosts = self._ghosts
+        ghosts[key] = None
+        ghosts.move_to_end(key)
+        while len(ghosts) > cached + 1:
+            ghosts.popitem(last=False)
+
+    def clear(self) -> None:
+        self._ghosts.clear()
+
+    @property
+    def ghosts(self) -> int:
+        """Keys remembered now."""
+        return len(self._ghosts)
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"fifo": FifoPolicy, "reinsert": ReinsertPolicy,
+                                             "freq": FreqPolicy}
 POLICY_IDS = {cls.id: name for name, cls in POLICIES.items()}
 
 

@@ -52,7 +52,8 @@ from ._proc import int_arg
 from .errors import CorruptObject, SegmentClosed, StaleHandle, StoreFull
 from .segment import ALIGN_BYTES, KIND_RING, MAX_CAPACITY_BYTES, SEGMENT_HEADER, Segment, align_up
 
-__all__ = ["ShmRingBuffer", "RingWriter", "ChunkHeader", "Chunk", "CHUNK_HEADER", "CHUNK_SEQ"]
+__all__ = ["ShmRingBuffer", "RingWriter", "ChunkHeader", "Chunk", "CHUNK_HEADER", "CHUNK_SEQ",
+           "place_chunk"]
 
 CHUNK_HEADER = struct.Struct("<QQQQ32x")
 assert CHUNK_HEADER.size == ALIGN_BYTES  # the layout above; the payload starts on a cache line
@@ -254,17 +255,12 @@ class RingWriter(ShmRingBuffer):
         return ALIGN_BYTES + align_up(nbytes)
 
     def _place(self, chunk_bytes: int) -> int | None:
-        start, end = self._data_start, self._data_end
-        if not self._chunks:
-            return start if chunk_bytes <= end - start else None
-        oldest = self._chunks[0].address
-        newest = self._chunks[-1]
-        head = newest.address + newest.chunk_bytes
-        if head > oldest:  # live chunks run oldest..head: free space is [head, end) + [start, oldest)
-            if head + chunk_bytes <= end:
-                return head
-            return start if start + chunk_bytes <= oldest else None
-        return head if head + chunk_bytes <= oldest else None  # wrapped: free is [head, oldest)
+        chunks = self._chunks
+        if not chunks:
+            return place_chunk(self._data_start, self._data_end, None, 0, chunk_bytes)
+        newest = chunks[-1]
+        return place_chunk(self._data_start, self._data_end, chunks[0].address,
+                           newest.address + newest.chunk_bytes, chunk_bytes)
 
     def fits(self, nbytes: int) -> bool:
         """Say whether allocate(nbytes) would succeed now."""
@@ -326,6 +322,20 @@ class RingWriter(ShmRingBuffer):
         if self._seg is not None:
             self._seg.close()
             self._seg.unlink()
+
+
+def place_chunk(start: int, end: int, oldest: int | None, head: int,
+                chunk_bytes: int) -> int | None:
+    """Where a chunk of `chunk_bytes` goes in the data area [start, end) whose live chunks run
+    from the address `oldest` (None: no chunk) to `head`, or None if it does not fit yet. The
+    one placement rule, shared with the metadata replay (hitsim.py)."""
+    if oldest is None:
+        return start if chunk_bytes <= end - start else None
+    if head > oldest:  # live chunks run oldest..head: free space is [head, end) + [start, oldest)
+        if head + chunk_bytes <= end:
+            return head
+        return start if start + chunk_bytes <= oldest else None
+    return head if head + chunk_bytes <= oldest else None  # wrapped: free is [head, oldest)
 
 
 def _closed_error() -> SegmentClosed:

@@ -175,7 +175,7 @@ class StoreWriter(StoreSpace):
                     raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
                                        "evicted or cleared): put it again", key)
                 self._hand_out(entry, done)
-                entry.hit = True
+                entry.uses = self._policy.hit(entry.uses)
                 self._hits += 1
                 return entry.handle
             finally:
@@ -243,6 +243,7 @@ class StoreWriter(StoreSpace):
                     self._drop(entry)
                     self._evictions += 1
             self._index.clear()
+            self._policy.clear()
             for chunk in ring:
                 if not chunk.tombstoned and not (chunk.owner and chunk.owner.reserved):
                     ring.tombstone(chunk)
@@ -355,6 +356,7 @@ class StoreWriter(StoreSpace):
         self._by_seq[entry.chunk.seq] = entry
         self._index[entry.key] = entry
         entry.reserved = False
+        entry.uses = self._policy.admitted(entry.key)
         entry.live = True
         self._puts += 1
         self._hand_out(entry, done)
