@@ -1,4 +1,4 @@
-"""Command line: `shmstore demo | ls | rm NAME | gc` (also `python -m shmstore ...`)."""
+"""Command line: `shmstore demo | hitrate TRACE | ls | rm NAME | gc` (also `python -m shmstore`)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import add_arguments
 
     add_arguments(demo)
+    hitrate = commands.add_parser("hitrate", help="hit ratios of every cache kind on your trace")
+    from .hitrate import add_arguments as hitrate_arguments
+
+    hitrate_arguments(hitrate)
     commands.add_parser("ls", help="list shmstore segments in /dev/shm with owner, size and age")
     rm = commands.add_parser("rm", help="remove a segment whose writer is dead (never a live one)")
     rm.add_argument("names", nargs="+", metavar="NAME")
@@ -137,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "hitrate":
+        from .hitrate import main as hitrate_main
+
+        return hitrate_main(args)
     if args.command == "ls":
         return cmd_ls()
     if args.command == "rm":

@@ -18,15 +18,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ._proc import int_arg
 from ._store_layout import object_header_bytes
-from .cache import _LruBytes
+from .cache import ReceiverCache, SenderCache, _LruBytes
 from .policy import make_policy
 from .ring import RingWriter, place_chunk
 from .segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
 
-__all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "SIM_KINDS"]
+__all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "real_hits", "SIM_KINDS"]
 
 SIM_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "lru")
 
@@ -185,3 +186,31 @@ def replay(trace: Iterable[tuple[Hashable, int]], kinds: Iterable[str],
     if progress is not None and n % 4096:
         progress(n % 4096)
     return [sim.stats() for sim in sims]
+
+
+def real_hits(kind: str, trace: Iterable[tuple[str, int]], capacity_bytes: int,
+              n_readers: int) -> list[bool]:
+    """Hit or miss per request of the real cache `kind` in shared memory: each request's value
+    is `bytes` of uint8, resolved (and checked) by `n_readers` receivers before the next."""
+    import numpy as np
+
+    sender: Any = SenderCache.create(kind, capacity_bytes=capacity_bytes, n_readers=n_readers)
+    receivers: list[Any] = []
+    hits = []
+    try:
+        for r in range(n_readers):
+            receivers.append(ReceiverCache.attach(kind, capacity_bytes=capacity_bytes, reader=r,
+                                                  name=getattr(sender, "name", None)))
+        for key, nbytes in trace:
+            before = sender.stats().hits
+            payload = sender.process(key, lambda n=nbytes: np.full(n, n % 251, np.uint8))
+            for receiver in receivers:
+                with receiver.resolve_view(payload) as value:
+                    if value[-1] != nbytes % 251:
+                        raise AssertionError(f"{kind} cache returned wrong bytes for {key!r}")
+            hits.append(sender.stats().hits > before)
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        sender.close()
+    return hits

@@ -1,0 +1,95 @@
+"""`shmstore hitrate`: every trace format, the outputs, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmstore.hitrate import ORACLE_GENERAL, TraceError, parse_budgets, read_trace
+from shmstore.hitsim import SIM_KINDS, replay
+
+TRACE = [(f"img-{k}", 1000 + 37 * (k % 11)) for k in
+         (np.random.default_rng(3).zipf(1.3, 3000) % 400)]
+
+
+def hitrate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shmstore", "hitrate", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_csv_with_header_replays_verifies_and_writes_csv_and_png(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,bytes\n" + "".join(f"{i},{k},{n}\n"
+                                                 for i, (k, n) in enumerate(TRACE)))
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "400", "--workers", "4",
+                   "--budgets", "5%,20%", "--target", "0.5")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "3,000 requests" in out and "verified: the first 400 requests" in out
+    assert "recommended: cache kind" in out
+    rows = list(csv.DictReader(open(tmp_path / "hitrate.csv")))
+    assert [r["kind"] for r in rows] == list(SIM_KINDS) * 2
+    expected = replay(TRACE, SIM_KINDS, [int(p * sum(dict(TRACE).values()) / 100)
+                                         for p in (5, 20)], 4)
+    assert [float(r["hit_ratio"]) for r in rows] == pytest.approx([s.hit_ratio for s in expected])
+    lru = next(r for r in rows if r["kind"] == "lru")
+    assert int(lru["memory_bytes"]) == 4 * int(lru["budget_bytes"])  # a mirror per worker
+    assert (tmp_path / "hitrate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_libcachesim_csv_columns_and_oracle_general_read_the_same_requests(tmp_path: Path) -> None:
+    ids = {k: i + 1 for i, k in enumerate(dict.fromkeys(k for k, _ in TRACE))}
+    lcs = tmp_path / "lcs.csv"  # libCacheSim style: no header, other order, other delimiter
+    lcs.write_text("".join(f"{n};{i};{ids[k]}\n" for i, (k, n) in enumerate(TRACE)))
+    from_csv = read_trace(lcs, columns="obj-size-col=1,time-col=2,obj-id-col=3")
+    assert from_csv == [(str(ids[k]), n) for k, n in TRACE]
+    records = np.zeros(len(TRACE), ORACLE_GENERAL)
+    records["time"] = np.arange(len(TRACE))
+    records["id"] = [ids[k] for k, _ in TRACE]
+    records["size"] = [n for _, n in TRACE]
+    binary = tmp_path / "trace.oracleGeneral"
+    records.tofile(binary)
+    assert read_trace(binary) == [(ids[k], n) for k, n in TRACE]
+    assert read_trace(binary, limit=10) == [(ids[k], n) for k, n in TRACE[:10]]
+    unsorted = tmp_path / "unsorted.csv"  # replayed by time
+    unsorted.write_text("timestamp,obj_id,obj_size\n3,c,30\n1,a,10\n2,b,20\n")
+    assert read_trace(unsorted) == [("a", 10), ("b", 20), ("c", 30)]
+
+
+@pytest.mark.parametrize("content, options, message", [
+    ("time,key,bytes\n1,a,ten\n", [], "line 2"),
+    ("1,a,-5\n", [], "negative size"),
+    ("when,what\n1,a\n", [], "--columns"),
+    ("1,a,5\n", ["--columns", "key=2,size=x"], "NAME=NUMBER"),
+    ("1,a,5\n", ["--budgets", "lots"], "neither a percent"),
+    ("1,a,5\n", ["--kinds", "shm-fifo,arc"], "choose from"),
+    ("", [], "no requests"),
+])
+def test_bad_input_exits_2_with_a_message_that_says_what_to_do(
+        tmp_path: Path, content: str, options: list[str], message: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    done = hitrate(str(path), "--out", str(tmp_path), *options)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "hitrate.csv").exists()
+
+
+def test_truncated_oracle_general_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.oracleGeneral"
+    path.write_bytes(bytes(ORACLE_GENERAL.itemsize * 3 + 5))
+    with pytest.raises(TraceError, match="whole number"):
+        read_trace(path)
+    done = hitrate(str(tmp_path / "nope.csv"))
+    assert done.returncode == 2 and "nope.csv" in done.stderr
+
+
+def test_budgets_in_percent_and_units() -> None:
+    assert parse_budgets("10%, 2GiB,512MB", 1000) == [("10%", 100), ("2GiB", 2 << 30),
+                                                       ("512MB", 512 * 10**6)]
+    with pytest.raises(TraceError, match="less than one byte"):
+        parse_budgets("0.01%", 1000)
