@@ -1,20 +1,22 @@
-"""Hit ratios of the real caches on realistic traces, cross-checked with libCacheSim.
+"""Hit ratios of the cache kinds on every trace family, beside libCacheSim's policies.
 
-    OMP_NUM_THREADS=1 python bench/bench_hitrate.py [--quick] [--scale 256] [--out bench/results]
+    OMP_NUM_THREADS=1 python bench/bench_hitrate.py [--quick] [--requests N] [--out bench/results]
 
-For each trace (Zipf alpha 0.6-1.2, one-time images, multi-turn conversations, sizes of real
-preprocessors) and each cache size (1, 5, 10, 25% of the trace's working set), the real caches
-run: a sender and n_readers receivers in this process, every payload resolved by every receiver.
-Payload sizes are divided by `scale`, and so is the capacity, so a run takes seconds.
+For each family of bench/traces.py and each cache size (1, 5, 10, 25% of the trace's working
+set), the caches' decisions are replayed on metadata (shmstore.hitsim: the store's own ring
+placement and policy objects, and the lru kind's own LRU; tests/test_hitsim.py checks request
+by request that the replay and the real caches in shared memory agree). Kinds: shm-fifo,
+shm-reinsert, shm-freq (the default), lru at the same budget, and lru at the same total RAM (its
+N_READERS mirrors share the budget).
 
-Kinds: shm-fifo, shm-reinsert, lru at the same budget, and lru at the same total RAM (its
-n_readers mirrors share the budget: each gets budget / n_readers). libCacheSim's FIFO and LRU
-run on the same trace and byte capacity as the oracle: LRU with the serialized sizes shmstore's
-LRU charges, FIFO with the ring bytes a shm chunk takes (headers and alignment included). What
-libCacheSim cannot see is the ring's contiguity: when the next chunk does not fit before the end,
-the tail is skipped and one more old object goes; that is the expected FIFO gap.
+libCacheSim is the independent oracle: its FIFO with the ring bytes a shm chunk takes (headers
+and alignment included; what it cannot see is the ring's contiguity: when the next chunk does
+not fit before the end, the tail is skipped, the expected FIFO gap) and its LRU with the
+serialized sizes the lru kind charges; its S3FIFO (small queue 10% of the cache or the largest
+object, whichever is larger) and SIEVE run beside them on the ring bytes.
 
-Writes a table, hitrate.csv and hitrate.png.
+Prints a table per family with the goals checked (freq >= lru - 0.3 points everywhere, >= lru
++ 0.5 points at 10% and 25%), and writes hitrate.csv and hitrate.png.
 """
 
 from __future__ import annotations
@@ -33,53 +35,25 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from traces import TraceSpec, make_trace, working_set_bytes
+from traces import FAMILIES, infinite_hit_ratio, make_family, working_set_bytes
 
-from shmstore.cache import ReceiverCache, SenderCache
-from shmstore.segment import align_up
-from shmstore.serde import encode
+from shmstore.hitsim import SIM_KINDS, replay
 from shmstore.store import ObjectStore
 
 PERCENTS = (1, 5, 10, 25)
-ALPHAS = (0.6, 0.8, 1.0, 1.2)
 N_READERS = 2
+MSGPACK_OVERHEAD = 64  # what serializing one tensor adds to its bytes, about
 
 
-def scaled_sizes(trace: list[tuple[str, int]], scale: int) -> dict[int, int]:
-    """Original size -> serialized size of a scaled uint8 payload (what every cache charges)."""
-    return {size: encode(np.empty(max(1, size // scale), np.uint8)).nbytes
-            for size in {s for _, s in trace}}
-
-
-def run_real(kind: str, trace: list[tuple[str, int]], capacity: int, scale: int) -> dict[str, Any]:
-    name = f"shmstore-bench-hr-{os.getpid()}"
-    sender = SenderCache.create(kind, capacity_bytes=capacity, n_readers=N_READERS,
-                                name=None if kind == "lru" else name)
-    receivers = [ReceiverCache.attach(kind, capacity_bytes=capacity, reader=r,
-                                      name=getattr(sender, "name", None)) for r in range(N_READERS)]
-    pool = np.zeros(max(s for _, s in trace) // scale + 1, dtype=np.uint8)
-    try:
-        for key, size in trace:
-            n = max(1, size // scale)
-            payload = sender.process(key, lambda n=n: pool[:n])
-            for r in receivers:
-                with r.resolve_view(payload):
-                    pass
-        s = sender.stats()
-    finally:
-        for r in receivers:
-            r.close()
-        sender.close()
-    return {"hit_ratio": s.hit_ratio, "byte_hit_ratio": s.byte_hit_ratio,
-            "inline_fallbacks": s.inline_fallbacks, "bytes_reinserted": s.bytes_reinserted * scale,
-            "memory_bytes": s.memory_bytes * scale, "evictions": s.evictions}
-
-
-def run_libcachesim(algo: str, trace: list[tuple[str, int]], capacity: int,
-                    charged: dict[int, int]) -> float:
+def libcachesim_ratio(algo: str, trace: list[tuple[str, int]], capacity: int,
+                      charged: dict[int, int]) -> float:
     import libcachesim as lcs
 
-    cache = lcs.FIFO(cache_size=capacity) if algo == "FIFO" else lcs.LRU(cache_size=capacity)
+    if algo == "S3FIFO":
+        small = max(0.1, max(charged.values()) / capacity)
+        cache = lcs.S3FIFO(cache_size=capacity, small_size_ratio=min(small, 0.9))
+    else:
+        cache = getattr(lcs, algo)(cache_size=capacity)
     ids: dict[str, int] = {}
     hits = 0
     for key, size in trace:
@@ -88,98 +62,118 @@ def run_libcachesim(algo: str, trace: list[tuple[str, int]], capacity: int,
     return hits / len(trace)
 
 
-def chunk_bytes(body_bytes: int) -> int:
-    """Ring bytes one shm cache object takes: chunk header, object header, counters, body."""
-    return ObjectStore.ring_bytes_for(body_bytes, N_READERS)
+def run_family(family: str, n_requests: int) -> list[dict[str, Any]]:
+    trace = make_family(family, n_requests)
+    serialized = [(key, size + MSGPACK_OVERHEAD) for key, size in trace]
+    ws = working_set_bytes(serialized)
+    sizes = {size for _, size in serialized}
+    ring_charged = {s: ObjectStore.ring_bytes_for(s, N_READERS) for s in sizes}
+    plain = {s: s for s in sizes}
+    keyed = [(key, size) for key, size in serialized]
+    budgets = [ws * pct // 100 for pct in PERCENTS]
+    kinds = list(SIM_KINDS)
+    stats = replay(serialized, kinds, budgets, N_READERS)
+    equal_ram = replay(serialized, ["lru"], [b // N_READERS for b in budgets], N_READERS)
+    rows = []
+    for i, pct in enumerate(PERCENTS):
+        by_kind = {s.kind: s for s in stats[i * len(kinds):(i + 1) * len(kinds)]}
+        lcs = {algo: libcachesim_ratio(algo, keyed, budgets[i],
+                                       plain if algo == "LRU" else ring_charged)
+               for algo in ("FIFO", "LRU", "S3FIFO", "Sieve")}
+        freq, lru = by_kind["shm-freq"], by_kind["lru"]
+        puts = freq.requests - freq.hits - freq.inline
+        rows.append({
+            "family": family, "cache_pct": pct, "requests": len(trace),
+            "working_set_bytes": ws, "infinite": infinite_hit_ratio(trace),
+            **{kind.replace("-", "_"): by_kind[kind].hit_ratio for kind in kinds},
+            "lru_equal_ram": equal_ram[i].hit_ratio,
+            **{f"libcachesim_{algo.lower()}": ratio for algo, ratio in lcs.items()},
+            "freq_minus_lru_pp": 100 * (freq.hit_ratio - lru.hit_ratio),
+            "fifo_minus_oracle_pp": 100 * (by_kind["shm-fifo"].hit_ratio - lcs["FIFO"]),
+            "lru_minus_oracle_pp": 100 * (lru.hit_ratio - lcs["LRU"]),
+            "freq_copied_per_request": freq.bytes_reinserted / len(trace),
+            "freq_copied_per_put_max_ratio": (freq.bytes_reinserted / puts / ws * len(
+                {k for k, _ in trace}) if puts else 0.0),
+            "freq_byte_hit_ratio": freq.byte_hit_ratio, "lru_byte_hit_ratio": lru.byte_hit_ratio,
+        })
+    return rows
+
+
+def goal_met(row: dict[str, Any]) -> bool:
+    need = 0.5 if row["cache_pct"] >= 10 else -0.3
+    return row["freq_minus_lru_pp"] >= need
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a shorter trace, two alphas")
-    parser.add_argument("--scale", type=int, default=256, help="divide payload sizes by this")
+    parser.add_argument("--quick", action="store_true", help="5,000 requests per family")
     parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    n_requests = args.requests or (4_000 if args.quick else 20_000)
-    alphas = (0.6, 1.0) if args.quick else ALPHAS
+    n_requests = args.requests or (5_000 if args.quick else 20_000)
+    families = [f for f in args.families.split(",") if f]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"hit ratio, {N_READERS} readers, {n_requests} requests per family (scan: 30,000)")
+    print(f"{'family':>9} {'size':>4} {'inf':>5} | {'fifo':>5} {'reins':>5} {'freq':>5} "
+          f"{'lru':>5} {'lru@RAM':>7} | {'lcsFIFO':>7} {'lcsLRU':>6} {'S3FIFO':>6} {'SIEVE':>5} | "
+          f"{'freq-lru':>8} {'goal':>4} {'copied/req':>10} {'dFIFO':>6} {'dLRU':>5}")
     rows: list[dict[str, Any]] = []
-    header = (f"{'trace':>10} {'size':>5} {'shm-fifo':>8} {'reinsert':>8} {'lru':>6} "
-              f"{'lru@RAM':>7} | {'lcs FIFO':>8} {'lcs LRU':>7} | {'dFIFO pp':>8} {'dLRU pp':>7} "
-              f"{'reinsert MB':>11} {'fallback':>8}")
-    print(f"hit ratio, {N_READERS} readers, payloads scaled 1/{args.scale}, {n_requests} requests")
-    print(header)
     t0 = time.perf_counter()
-    for alpha in alphas:
-        trace = make_trace(TraceSpec(alpha=alpha, n_requests=n_requests, seed=int(alpha * 10)))
-        ws = working_set_bytes(trace)
-        serialized = scaled_sizes(trace, args.scale)
-        ring_charged = {size: chunk_bytes(b) for size, b in serialized.items()}
-        for pct in PERCENTS:
-            capacity = align_up(ws * pct // 100 // args.scale)
-            fifo = run_real("shm-fifo", trace, capacity, args.scale)
-            reinsert = run_real("shm-reinsert", trace, capacity, args.scale)
-            lru = run_real("lru", trace, capacity, args.scale)
-            lru_ram = run_real("lru", trace, capacity // N_READERS, args.scale)
-            lcs_fifo = run_libcachesim("FIFO", trace, capacity, ring_charged)
-            lcs_lru = run_libcachesim("LRU", trace, capacity, serialized)
-            row = {
-                "alpha": alpha, "cache_pct": pct, "requests": n_requests,
-                "working_set_bytes": ws, "capacity_bytes": capacity * args.scale,
-                "shm_fifo": fifo["hit_ratio"], "shm_reinsert": reinsert["hit_ratio"],
-                "lru": lru["hit_ratio"], "lru_equal_ram": lru_ram["hit_ratio"],
-                "shm_fifo_bytes": fifo["byte_hit_ratio"],
-                "shm_reinsert_bytes": reinsert["byte_hit_ratio"],
-                "lru_bytes": lru["byte_hit_ratio"], "lru_equal_ram_bytes": lru_ram["byte_hit_ratio"],
-                "libcachesim_fifo": lcs_fifo, "libcachesim_lru": lcs_lru,
-                "fifo_minus_oracle_pp": 100 * (fifo["hit_ratio"] - lcs_fifo),
-                "lru_minus_oracle_pp": 100 * (lru["hit_ratio"] - lcs_lru),
-                "reinsert_bytes_copied": reinsert["bytes_reinserted"],
-                "inline_fallbacks": fifo["inline_fallbacks"] + reinsert["inline_fallbacks"],
-                "shm_memory_bytes": fifo["memory_bytes"], "lru_memory_bytes": lru["memory_bytes"],
-            }
+    for family in families:
+        for row in run_family(family, n_requests):
             rows.append(row)
-            print(f"{'a=' + str(alpha):>10} {str(pct) + '%':>5} {row['shm_fifo']:8.3f} "
-                  f"{row['shm_reinsert']:8.3f} {row['lru']:6.3f} {row['lru_equal_ram']:7.3f} | "
-                  f"{lcs_fifo:8.3f} {lcs_lru:7.3f} | {row['fifo_minus_oracle_pp']:8.2f} "
-                  f"{row['lru_minus_oracle_pp']:7.2f} {row['reinsert_bytes_copied'] / 1e6:11.0f} "
-                  f"{row['inline_fallbacks']:8d}")
-    print(f"({time.perf_counter() - t0:.0f} s)")
+            print(f"{family:>9} {row['cache_pct']:>3}% {row['infinite']:5.3f} | "
+                  f"{row['shm_fifo']:5.3f} {row['shm_reinsert']:5.3f} {row['shm_freq']:5.3f} "
+                  f"{row['lru']:5.3f} {row['lru_equal_ram']:7.3f} | "
+                  f"{row['libcachesim_fifo']:7.3f} {row['libcachesim_lru']:6.3f} "
+                  f"{row['libcachesim_s3fifo']:6.3f} {row['libcachesim_sieve']:5.3f} | "
+                  f"{row['freq_minus_lru_pp']:+8.2f} {'ok' if goal_met(row) else 'MISS':>4} "
+                  f"{row['freq_copied_per_request'] / 1e6:8.2f}MB "
+                  f"{row['fifo_minus_oracle_pp']:+6.2f} {row['lru_minus_oracle_pp']:+5.2f}",
+                  flush=True)
+    missed = [f"{r['family']} {r['cache_pct']}%" for r in rows if not goal_met(r)]
+    print(f"({time.perf_counter() - t0:.0f} s) goal missed at: {', '.join(missed) or 'none'}")
     with open(out_dir / "hitrate.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, alphas, out_dir / "hitrate.png")
+    plot(rows, families, out_dir / "hitrate.png")
     print(f"wrote {out_dir / 'hitrate.csv'} and {out_dir / 'hitrate.png'}")
 
 
-def plot(rows: list[dict[str, Any]], alphas: tuple[float, ...], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], families: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(alphas), figsize=(4 * len(alphas), 3.6), sharey=True)
-    axes = np.atleast_1d(axes)
+    cols = 4
+    fig, axes = plt.subplots(-(-len(families) // cols), cols, figsize=(4 * cols, 3.4 * (
+        -(-len(families) // cols))), squeeze=False)
     lines = [("shm_fifo", "shm-fifo", "-"), ("shm_reinsert", "shm-reinsert", "-"),
-             ("lru", "lru (same budget)", "-"), ("lru_equal_ram", "lru (same total RAM)", "--"),
-             ("libcachesim_fifo", "libCacheSim FIFO", ":"), ("libcachesim_lru", "libCacheSim LRU", ":")]
-    for ax, alpha in zip(axes, alphas):
-        sub = [r for r in rows if r["alpha"] == alpha]
+             ("shm_freq", "shm-freq (default)", "-"), ("lru", "lru (same budget)", "-"),
+             ("lru_equal_ram", "lru (same total RAM)", "--"),
+             ("libcachesim_s3fifo", "libCacheSim S3FIFO", ":"),
+             ("libcachesim_sieve", "libCacheSim SIEVE", ":")]
+    for ax, family in zip(axes.flat, families):
+        sub = [r for r in rows if r["family"] == family]
         for field, label, style in lines:
             ax.plot([r["cache_pct"] for r in sub], [r[field] for r in sub], style, marker="o",
                     label=label, markersize=3)
-        ax.set_title(f"Zipf alpha {alpha}")
+        ax.set_title(family)
         ax.set_xscale("log")
         ax.set_xticks(PERCENTS, [f"{p}%" for p in PERCENTS])
-        ax.set_xlabel("cache size (% of working set)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("request hit ratio")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    for ax in axes.flat[len(families):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("request hit ratio")
+    axes[0][0].legend(fontsize=6, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
+    np.seterr(all="ignore")
     main()

@@ -181,7 +181,8 @@ def bursts_trace(n_requests: int = 20_000, seed: int = 0, *, alpha: float = 0.9,
     keys: list[str] = []
     while len(keys) < n_requests:
         keys.extend(itertools.islice(stream, every))
-        keys.extend(f"burst{len(keys)}-{j}" for j in range(burst))
+        at = len(keys)
+        keys.extend(f"burst{at}-{j}" for j in range(burst))
     return _sized(keys[:n_requests], rng)
 
 
@@ -189,13 +190,13 @@ def scan_trace(n_requests: int = 30_000, seed: int = 0, *, alpha: float = 0.9,
                catalogue: int = 5_000, scan: int = 10_000,
                start: float = 0.3) -> list[tuple[str, int]]:
     """A Zipf stream (`alpha` over `catalogue`) through which, from `start` of the way on, a
-    batch job sends `scan` unique images, one between every two live requests."""
+    batch job sends `scan` unique images, alternating with live requests."""
     rng = random.Random(seed)
     live = iter(_zipf_keys(np.random.default_rng(seed), n_requests, catalogue, alpha))
     keys = list(itertools.islice(live, int(start * n_requests)))
     for j in range(scan):
         keys.append(f"scan-{j}")
-        keys.extend(itertools.islice(live, 2))
+        keys.extend(itertools.islice(live, 1))
     keys.extend(live)
     return _sized(keys[:n_requests], rng)
 

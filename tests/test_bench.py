@@ -36,3 +36,17 @@ def test_bench_pipeline_runs(tmp_path: Path) -> None:
                       "--no-queue", tmp_path=tmp_path)
     (row,) = data["transfer"]
     assert row["n_readers"] == 1 and row["shmstore_s"] > 0 and row["shm-per-item_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_hitrate_runs_every_column(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_hitrate.py"), "--requests",
+                           "1500", "--families", "zipf-0.8,chat", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=170,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "goal missed at:" in proc.stdout
+    rows = (tmp_path / "hitrate.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 4 and "libcachesim_s3fifo" in rows[0]
+    assert (tmp_path / "hitrate.png").stat().st_size > 0

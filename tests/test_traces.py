@@ -41,3 +41,28 @@ def test_one_time_images_conversations_and_skew() -> None:
     skewed = make_trace(TraceSpec(n_requests=10_000, one_time_share=0, conversation_p=0, alpha=1.2))
     flat = make_trace(TraceSpec(n_requests=10_000, one_time_share=0, conversation_p=0, alpha=0.6))
     assert len(set(skewed)) < len(set(flat))
+
+
+def test_every_family_is_reproducible_with_its_own_shape() -> None:
+    from traces import FAMILIES, infinite_hit_ratio, make_family
+
+    for family in FAMILIES:
+        trace = make_family(family, 4000, seed=1)
+        assert trace == make_family(family, 4000, seed=1) != make_family(family, 4000, seed=2)
+        assert 0 < infinite_hit_ratio(trace) < 1
+        sizes: dict[str, int] = {}
+        assert all(sizes.setdefault(k, n) == n and n > 0 for k, n in trace)
+    chat = [k for k, _ in make_family("chat", 4000)]
+    own = [k for k in chat if k.startswith("s")]
+    assert len(own) > 2 * len(set(own))  # sessions resend their images turn after turn
+    models = make_family("models", 4000)
+    per_image: dict[str, set[int]] = {}
+    for key, n in models:
+        per_image.setdefault(key.split("/", 1)[1], set()).add(n)
+    assert max(len(s) for s in per_image.values()) > 1  # one image, several models' sizes
+    assert {key.split("/")[0] for key, _ in models} == {"llava-1.5", "llava-next", "internvl",
+                                                         "qwen2-vl"}
+    scan = [k for k, _ in make_family("scan", 4000)]
+    assert len(scan) == 30_000 and len({k for k in scan if k.startswith("scan-")}) == 10_000
+    bursts = [k for k, _ in make_family("bursts", 5000)]
+    assert bursts[2000:2300] == [f"burst2000-{j}" for j in range(300)]  # one-time, in a run
