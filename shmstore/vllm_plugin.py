@@ -10,7 +10,7 @@ With `mm_processor_cache_type="shm"` (vLLM's `--mm-processor-cache-type shm`), t
 cache type is left to vLLM. Environment:
 
     SHMSTORE_VLLM=0                     turn the plugin off: vLLM's own shm cache comes back
-    VLLM_OBJECT_STORAGE_SHM_POLICY      fifo | reinsert (default reinsert): the store's policy
+    VLLM_OBJECT_STORAGE_SHM_POLICY      fifo | reinsert | freq (default freq): the store's policy
     VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME vLLM's: the shared-memory name (kept)
 
 vLLM's own settings keep their meaning: `mm_processor_cache_gb` is the store's capacity,
