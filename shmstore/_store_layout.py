@@ -167,7 +167,7 @@ class StoreStats:
     evictions: int
     give_backs: int
     full_events: int
-    reinsertions: int  # objects copied forward instead of dropped (policy "reinsert")
+    reinsertions: int  # objects copied forward instead of dropped (policies "reinsert", "freq")
     bytes_reinserted: int  # ring bytes those copies wrote
     damaged_objects: int  # objects dropped because their header in shared memory was damaged
     dead_readers: int  # readers found dead (their pid gone) and no longer waited for

@@ -12,7 +12,7 @@ Every metric carries a `segment` label (the store's name); per-reader ones also 
     shmstore_evictions_total            objects dropped to make room or by clear()
     shmstore_give_backs_total           hand-outs taken back unread
     shmstore_full_events_total          puts that found the oldest object still owed
-    shmstore_reinsertions_total         objects copied forward by the reinsert policy
+    shmstore_reinsertions_total         objects copied forward by the reinsert or freq policy
     shmstore_reinserted_bytes_total     ring bytes those copies wrote
     shmstore_damaged_objects_total      objects dropped because shared memory was damaged
     shmstore_dead_readers_total         readers found dead and no longer waited for
@@ -42,7 +42,7 @@ _COUNTERS = (
     ("evictions", "evictions", "Objects dropped to make room or by clear()"),
     ("give_backs", "give_backs", "Hand-outs taken back unread"),
     ("full_events", "full_events", "Puts that found the oldest object still owed to a reader"),
-    ("reinsertions", "reinsertions", "Objects copied forward by the reinsert policy"),
+    ("reinsertions", "reinsertions", "Objects copied forward by the reinsert or freq policy"),
     ("reinserted_bytes", "bytes_reinserted", "Ring bytes written by reinsertions"),
     ("damaged_objects", "damaged_objects", "Objects dropped because shared memory was damaged"),
     ("dead_readers", "dead_readers", "Readers found dead and no longer waited for"),
