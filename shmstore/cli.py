@@ -119,11 +119,11 @@ def cmd_gc() -> int:
     return 0
 
 
-def _size(nbytes: int) -> str:
+def _size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
+        nbytes /= 1024
     return str(nbytes)  # pragma: no cover
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .cli import _size
 from .hitsim import SIM_KINDS, SimStats, make_sim, real_hits, replay
 
 __all__ = ["add_arguments", "main", "read_trace", "TraceError", "recommend"]
@@ -208,30 +209,22 @@ def recommend(stats: Sequence[SimStats], target: float, workers: int) -> list[st
         good = next((s for s in runs if s.hit_ratio >= target), None)
         if good is None:
             lines.append(f"  {kind:<13} does not reach {target:.1%} at the budgets tried "
-                         f"(best {runs[-1].hit_ratio:.1%} at {_fmt(runs[-1].capacity_bytes)})")
+                         f"(best {runs[-1].hit_ratio:.1%} at {_size(runs[-1].capacity_bytes)})")
             continue
         memory = good.capacity_bytes * (workers if kind == "lru" else 1)
-        where = (f"{workers} mirrors of {_fmt(good.capacity_bytes)}" if kind == "lru"
+        where = (f"{workers} mirrors of {_size(good.capacity_bytes)}" if kind == "lru"
                  else "one shared copy")
         lines.append(f"  {kind:<13} {good.hit_ratio:.1%} at a budget of "
-                     f"{_fmt(good.capacity_bytes)}: {_fmt(memory)} of memory ({where})")
+                     f"{_size(good.capacity_bytes)}: {_size(memory)} of memory ({where})")
         choices.append((memory, -good.hit_ratio, kind, good.capacity_bytes))
     if choices:
         memory, _, kind, budget = min(choices)
-        lines.append(f"recommended: cache kind {kind} with a budget of {_fmt(budget)} "
-                     f"({_fmt(memory)} of memory in all with {workers} workers)")
+        lines.append(f"recommended: cache kind {kind} with a budget of {_size(budget)} "
+                     f"({_size(memory)} of memory in all with {workers} workers)")
     else:
         lines.append("recommended: no kind reaches the target at these budgets; try larger "
                      "--budgets or a lower --target")
     return lines
-
-
-def _fmt(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"  # pragma: no cover
 
 
 def _progress_bar(total: int, disabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -265,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
     infinite = 1 - unique / len(trace)
     target = args.target if args.target is not None else 0.9 * infinite
     print(f"{args.trace}: {len(trace):,} requests, {unique:,} items, working set "
-          f"{_fmt(working_set)}, unbounded cache {infinite:.1%}; {args.workers} workers")
+          f"{_size(working_set)}, unbounded cache {infinite:.1%}; {args.workers} workers")
     t0 = time.perf_counter()
     update, done = _progress_bar(len(trace), args.no_progress)
     try:
@@ -308,7 +301,7 @@ def _table(stats: list[SimStats], budgets: list[tuple[str, int]], kinds: list[st
                    "evictions": s.evictions, "memory_bytes": memory}
             rows.append(row)
             print(f"{label:>10} {kind:>13} {s.hit_ratio:9.2%} {s.byte_hit_ratio:9.2%} "
-                  f"{_fmt(s.bytes_reinserted / n):>10} {s.inline:7d} {_fmt(memory):>11}")
+                  f"{_size(s.bytes_reinserted / n):>10} {s.inline:7d} {_size(memory):>11}")
     return rows
 
 
