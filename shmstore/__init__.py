@@ -27,6 +27,7 @@ from .errors import (
     SegmentNotFound,
     SegmentPermissionError,
     ShmSpaceError,
+    ProtocolError,
     ShmStoreError,
     StaleHandle,
     StoreFull,
@@ -89,4 +90,5 @@ __all__ = [
     "Closed",
     "MessageTooLarge",
     "WriterGone",
+    "ProtocolError",
 ]

@@ -12,7 +12,8 @@ Queue meta area (segment offset 64; little-endian)::
     0       4     n_slots          u32
     4       4     slot_bytes       u32, payload bytes per slot
     8       8     write_seq        u64, last message published (written by the writer)
-    16      8     closed           u64, 1 once the writer closed the queue
+    16      8     closed           u64, 1 once the writer closed the queue; 2: closed because
+                                   the writer it forwards for died (a relay: WriterGone)
     24      8     writer_sleeping  u64, 1 while the writer waits for space on its doorbell
     32      32    reserved
     64      64*n  reader rows (_readers.py head, then the queue's words):
@@ -58,8 +59,8 @@ from ._readers import ROW_HEAD_BYTES, ReaderTable
 from .errors import IncompatibleSegment
 from .segment import ALIGN_BYTES, SEGMENT_HEADER, Segment, align_up
 
-__all__ = ["QueueBase", "QUEUE_META", "QUEUE_ROW", "SLOT_HEADER", "SLOT_FIELDS", "message_crc",
-           "bell_name", "remove_semaphores"]
+__all__ = ["QueueBase", "CLOSED_UPSTREAM_GONE", "QUEUE_META", "QUEUE_ROW", "SLOT_HEADER",
+           "SLOT_FIELDS", "message_crc", "bell_name", "remove_semaphores"]
 
 QUEUE_META = struct.Struct("<IIQQQ32x")
 QUEUE_ROW = struct.Struct("<QQQQQ24x")
@@ -69,6 +70,7 @@ SIZE_TAG = struct.Struct("<QI")
 assert QUEUE_META.size == QUEUE_ROW.size == SLOT_HEADER.size == ALIGN_BYTES
 META_WRITE_SEQ = 8
 META_CLOSED = 16
+CLOSED_UPSTREAM_GONE = 2  # META_CLOSED value: readers get WriterGone, not Closed
 META_WRITER_SLEEPING = 24
 ROW_READ_SEQ = ROW_HEAD_BYTES
 ROW_SLEEPING = ROW_HEAD_BYTES + 8

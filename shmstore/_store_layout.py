@@ -29,7 +29,11 @@ Object layout (the payload of one ring chunk)::
     16      8     body_bytes      u64, serialized size (serde body)
     24      4     structure_crc   u32, CRC-32 of the body's header, buffer table and msgpack
                                   structure, continued over body_bytes (not the raw array bytes)
-    28      36    reserved
+    28      4     reserved
+    32      8     origin_seq      u64, seq of the put that wrote these bytes; a copy forward
+                                  keeps it, so (key_digest, origin_seq) names the content across
+                                  moves (what a relay caches remote copies under)
+    40      24    reserved
     64      8*n   read counters   u64 per reader: generation << 32 | reads by that generation,
                                   each written only by its reader (store-release)
     64+8n   pad   to a cache line
@@ -69,7 +73,7 @@ __all__ = ["STORE_META", "OBJECT_HEADER", "STORE_ROW", "StoreStats", "StoreBase"
 
 STORE_META = struct.Struct("<QI4xQ40x")
 STORE_ROW = struct.Struct("<QQQQQQQ8x8Q")
-OBJECT_HEADER = struct.Struct("<16sQI36x")
+OBJECT_HEADER = struct.Struct("<16sQI4xQ24x")
 assert STORE_META.size == OBJECT_HEADER.size == ALIGN_BYTES and STORE_ROW.size == 2 * ALIGN_BYTES
 META_HANDOUT_SEQ = 16  # byte offsets inside the store meta area
 ROW_ATTACH_HANDOUT = ROW_HEAD_BYTES  # byte offsets inside a reader row

@@ -193,7 +193,7 @@ class StoreSpace(StoreBase):
         ring = self._writer_ring
         if not ring.header_intact(entry.chunk):
             return True
-        digest, nbytes, crc = OBJECT_HEADER.unpack_from(ring.payload(entry.chunk), 0)
+        digest, nbytes, crc, _ = OBJECT_HEADER.unpack_from(ring.payload(entry.chunk), 0)
         return (digest, nbytes, crc) != (entry.handle.key_digest, entry.nbytes, entry.crc)
 
     def _full_error(self, payload_bytes: int, deadline: Deadline,

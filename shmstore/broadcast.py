@@ -15,6 +15,7 @@ from typing import Any
 from ._closeable import CallGuard
 from ._proc import int_arg, pid_alive
 from ._queue_layout import (
+    CLOSED_UPSTREAM_GONE,
     DEFAULT_SPIN_S,
     MAX_SLOT_BYTES,
     MAX_SLOTS,
@@ -202,7 +203,12 @@ class QueueReader(QueueBase):
                     self._skip(seq)
                     raise CorruptObject(f"slot of message {seq} on queue {self.name!r} is "
                                         "damaged; skipped it", self.name)
-                if words.load_acquire(self._meta + META_CLOSED):
+                closed = words.load_acquire(self._meta + META_CLOSED)
+                if closed == CLOSED_UPSTREAM_GONE:
+                    raise WriterGone(
+                        f"queue {self.name!r} was closed by its relay because the writer it "
+                        "forwards for died; no more messages will come", self.name, 0)
+                if closed:
                     raise Closed(f"queue {self.name!r} was closed by its writer; no more messages")
                 raise WriterGone(
                     f"the writer of queue {self.name!r} (pid {self._writer_pid}) died; no more "

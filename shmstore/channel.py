@@ -21,6 +21,7 @@ import itertools
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 from ._closeable import Closeable
@@ -31,15 +32,26 @@ from .errors import CorruptObject, SegmentClosed, ShmStoreError
 from .handle import Handle
 from .segment import validate_name
 from .serde import encode
-from .store import ObjectStore, StoreReader, StoreWriter
+from .store import ObjectStore, StoredBody, StoreReader, StoreWriter
 from .store_writer import Reservation
 
-__all__ = ["Channel", "ChannelWriter", "ChannelReader", "TAG_INLINE", "TAG_HANDLE"]
+__all__ = ["Channel", "ChannelWriter", "ChannelReader", "RawMessage", "TAG_INLINE", "TAG_HANDLE"]
 
 TAG_INLINE = 0  # queue tag of a value sent inline
 TAG_HANDLE = 1  # queue tag of (Handle, hand-out number)
 DEFAULT_INLINE_THRESHOLD = 64 << 10  # above this a value is stored and only its Handle is sent
 HANDLE_MESSAGE_BYTES = 256  # a Handle message with room to spare
+
+
+@dataclass(frozen=True, slots=True)
+class RawMessage:
+    """A message as ChannelReader.recv_raw yields it: `stored` is None for an inline `value`,
+    else the stored object's body, with its `handle` and hand-out number."""
+
+    value: Any
+    stored: StoredBody | None
+    handle: Handle | None
+    handout: int
 
 
 class Channel:
@@ -184,10 +196,11 @@ class ChannelWriter(_Pair):
             raise
         self.sent_by_handle += 1
 
-    def end(self) -> None:
-        """Close the queue: readers get Closed after the last message. The store stays open
-        (handles already received stay readable) until close()."""
-        self._queue.close()
+    def end(self, *, upstream_gone: bool = False) -> None:
+        """Close the queue: readers get Closed after the last message (WriterGone with
+        `upstream_gone`, for a relay whose writer died). The store stays open (handles already
+        received stay readable) until close()."""
+        self._queue.close(upstream_gone=upstream_gone)
 
 
 class ChannelReader(_Pair):
@@ -197,6 +210,21 @@ class ChannelReader(_Pair):
         self._store = store
         self._queue = queue
         self.reader = queue.reader
+
+    @property
+    def max_inline_bytes(self) -> int:
+        """Largest inline message the channel's queue carries."""
+        return int(self._queue.slot_bytes)
+
+    @property
+    def max_object_bytes(self) -> int:
+        """Largest serialized object the channel's store takes."""
+        return int(self._store.max_object_bytes)
+
+    @property
+    def store_epoch(self) -> int:
+        """The random epoch of the channel's store (new per writer): names its objects' ids."""
+        return int(self._store.epoch)
 
     def _next(self, deadline: Deadline) -> tuple[Any, int]:
         """The next value (inline), or handle, with its hand-out number (0 for inline)."""
@@ -235,6 +263,37 @@ class ChannelReader(_Pair):
                 yield obj
         finally:
             self._done(handout)
+
+    @contextmanager
+    def recv_raw(self, timeout: float | None = None, *, keep: bool = False
+                 ) -> Iterator[RawMessage]:
+        """Yield the next message undecoded, for forwarding it (a relay): an inline value as
+        it is, a stored one as its serialized body (`StoreReader.body`), valid in the block.
+
+        With `keep`, a stored object stays owed to this reader after the block: `body(handle)`
+        reads it again until `release_through(raw.handout)` gives it (and those before) up.
+        """
+        msg, handout = self._next(Deadline(timeout))
+        if not handout:
+            yield RawMessage(msg, None, None, 0)
+            return
+        try:
+            with self._store.body(msg, count=not keep) as stored:
+                yield RawMessage(None, stored, msg, handout)
+        except BaseException:
+            self._done(handout)
+            raise
+        if not keep:
+            self._done(handout)
+
+    def body(self, handle: Handle) -> Any:
+        """Read a kept object's body again (see recv_raw): a context manager yielding a
+        StoredBody, valid inside the block."""
+        return self._store.body(handle, count=False)
+
+    def release_through(self, handout: int) -> None:
+        """Give up kept objects handed out up to number `handout` (see recv_raw)."""
+        self._done(handout)
 
     def _done(self, handout: int) -> None:
         """Hand-outs up to this one are done: read, or lost with a damaged message."""

@@ -39,6 +39,7 @@ __all__ = [
     "Closed",
     "MessageTooLarge",
     "WriterGone",
+    "ProtocolError",
 ]
 
 
@@ -263,3 +264,8 @@ class WriterGone(ShmStoreError, ConnectionError):
         super().__init__(message)
         self.name = name
         self.writer_pid = writer_pid
+
+
+class ProtocolError(ShmStoreError, ValueError):
+    """A message from the network breaks the relay protocol (or comes from another version);
+    it is dropped, never acted on."""

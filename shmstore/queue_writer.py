@@ -8,6 +8,7 @@ from typing import Any
 from ._closeable import CallGuard
 from ._proc import int_arg
 from ._queue_layout import (
+    CLOSED_UPSTREAM_GONE,
     MAX_TAG,
     META_CLOSED,
     META_WRITE_SEQ,
@@ -131,17 +132,18 @@ class QueueWriter(QueueBase):
         finally:
             guard.leave()
 
-    def close(self) -> None:
+    def close(self, *, upstream_gone: bool = False) -> None:
         """Mark the queue closed, wake every reader (they get Closed once they have every
         message sent before), unlink; idempotent. A put blocked in another thread raises
-        SegmentClosed."""
+        SegmentClosed. `upstream_gone`: readers get WriterGone instead of Closed (a relay whose
+        writer on another node died)."""
         guard = self._guard
         if guard is None or guard.closing:
             if guard is None:  # half-built
                 self._release()
             return
         words = self._words
-        words.exchange(self._meta + META_CLOSED, 1)
+        words.exchange(self._meta + META_CLOSED, CLOSED_UPSTREAM_GONE if upstream_gone else 1)
         for r, bell in enumerate(self._bells):
             if words.exchange(self._table.row(r) + ROW_SLEEPING, 0):
                 bell.ring()

@@ -69,7 +69,7 @@ __all__ = [
 
 MAGIC = b"SHMSTORE"
 MAKING_MAGIC = b"SHMSTMK~"  # header written before the space is reserved: a crash is visible
-LAYOUT_VERSION = 2  # bump on any change to a binary layout of any layer
+LAYOUT_VERSION = 3  # bump on any change to a binary layout of any layer
 ALIGN_BYTES = 64  # one cache line: headers, chunks and tensor buffers start on one
 KIND_RING = 1  # ShmRingBuffer / ObjectStore
 KIND_QUEUE = 2  # BroadcastQueue

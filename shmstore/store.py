@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from ._closeable import CallGuard
@@ -49,7 +50,19 @@ from .segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
 from .serde import decode
 from .store_writer import StoreWriter
 
-__all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "MAX_READERS"]
+__all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "StoredBody", "MAX_READERS"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBody:
+    """One object's serialized body as StoreReader.body yields it.
+
+    `object_id` (key digest + origin seq, 24 bytes) names these bytes in this store's epoch:
+    a copy forward keeps it, a new put of the same key gets a new one.
+    """
+
+    object_id: bytes
+    data: memoryview
 
 
 class ObjectStore:
@@ -217,17 +230,39 @@ class StoreReader(StoreBase):
         The bytes cannot change while the block runs (not even through clear()); once it exits
         the writer may reuse them. Keep what you need with `.copy()` / `.clone()`, or use get().
         """
+        with self._pinned(handle, lambda: self._decode(handle, copy=False)) as obj:
+            yield obj
+
+    @contextmanager
+    def body(self, handle: Handle, *, count: bool = True) -> Iterator[StoredBody]:
+        """Yield the object's serialized body (checked: it decodes) as a read-only view into
+        shared memory, with the object's identity; count the read on exit unless `count` is
+        False (a reader that gives hand-outs up with finished_through). For forwarding an
+        object without decoding it (a relay); the view is valid inside the block only."""
+        def located() -> StoredBody:
+            start, body, body_bytes, origin = self._locate(handle)
+            data = self._buf[body:body + body_bytes].toreadonly()
+            self._decode(handle, copy=False, located=(start, body, body_bytes, origin))
+            return StoredBody(handle.key_digest + U64.pack(origin), data)
+
+        with self._pinned(handle, located, count) as stored:
+            yield stored
+
+    @contextmanager
+    def _pinned(self, handle: Handle, read: Callable[[], Any], count: bool = True
+                ) -> Iterator[Any]:
+        """Pin the chunk, yield `read()`, then count the read (if `count`) and unpin."""
         guard = self._guard_enter()
         try:
             pin = self._pin(handle)
             done = None
             try:
-                obj = self._decode(handle, copy=False)
+                obj = read()
                 try:
                     yield obj
                 finally:
                     del obj
-                    done = handle
+                    done = handle if count else None
             finally:
                 self._unpin(pin, done)
         finally:
@@ -311,8 +346,9 @@ class StoreReader(StoreBase):
             words.store_release(self._mask_word, self._pin_bits)
             self._pins_free.append(index)
 
-    def _decode(self, handle: Handle, copy: bool) -> Any:
-        """Validate the pinned object and decode it; give it up if it is damaged."""
+    def _locate(self, handle: Handle) -> tuple[int, int, int, int]:
+        """Check the pinned object's headers against `handle`: (object start, body start,
+        body bytes, origin seq); give it up if its chunk header is damaged."""
         ring = self._reader_ring
         try:
             header = ring.header(handle.address, handle.seq)
@@ -324,16 +360,29 @@ class StoreReader(StoreBase):
                     self._count_read(handle, corrupt=True)
             raise CorruptObject(str(exc), self.name) from None
         start = handle.address + ALIGN_BYTES
-        digest, body_bytes, crc = OBJECT_HEADER.unpack_from(self._buf, start)
+        digest, body_bytes, _, origin = OBJECT_HEADER.unpack_from(self._buf, start)
         if digest != handle.key_digest:
             raise StaleHandle(f"handle {handle} does not match the key of the object at its "
                               f"address in store {self.name!r}; it is stale or forged",
                               handle, self.name)
-        body = start + self._header_bytes
+        problem = ""
+        if start + self._header_bytes + body_bytes > start + header.payload_bytes:
+            problem = f"claims a {body_bytes}-byte body, more than its chunk holds"
+        elif not 0 < origin <= handle.seq:  # a copy forward only moves to a later seq
+            problem = f"names origin seq {origin}, not in 1..{handle.seq}"
+        if problem:
+            with self._lock:
+                self._count_read(handle, corrupt=True)
+            raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} is damaged "
+                                f"and was given up: it {problem}", self.name)
+        return start, start + self._header_bytes, body_bytes, origin
+
+    def _decode(self, handle: Handle, copy: bool,
+                located: tuple[int, int, int, int] | None = None) -> Any:
+        """Validate the pinned object and decode it; give it up if it is damaged."""
+        start, body, body_bytes, _ = located or self._locate(handle)
+        crc = OBJECT_HEADER.unpack_from(self._buf, start)[2]
         try:
-            if body + body_bytes > start + header.payload_bytes:
-                raise CorruptObject(f"object seq {handle.seq} claims a {body_bytes}-byte body, "
-                                    f"more than its {header.payload_bytes}-byte chunk holds")
             return decode(self._buf[body:body + body_bytes], copy=copy, expected_crc=crc,
                           crc_suffix=U64.pack(body_bytes))
         except CorruptObject as exc:

@@ -341,7 +341,7 @@ class StoreWriter(StoreSpace):
         # From here until chunk.owner is set the chunk is an orphan: if we stop, it is freed.
         payload = self._writer_ring.payload(chunk)
         crc = zlib.crc32(U64.pack(enc.nbytes), enc.structure_crc)
-        OBJECT_HEADER.pack_into(payload, 0, digest, enc.nbytes, crc)
+        OBJECT_HEADER.pack_into(payload, 0, digest, enc.nbytes, crc, chunk.seq)
         payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
         entry = Entry(key, Handle(chunk.address, chunk.seq, digest, self.epoch), chunk,
                        enc.nbytes, crc, live=False)

@@ -16,6 +16,7 @@ EXPECTED = {
     "WrongProcess", "StoreFull", "ObjectTooLarge", "NotSerializable", "KeyExists", "KeyNotCached",
     "InvalidKey", "StaleHandle", "InvalidHandle", "CorruptObject", "ReaderIndexError",
     "ReaderSlotBusy", "Timeout", "Closed", "MessageTooLarge", "WriterGone",
+    "ProtocolError",
 }
 
 

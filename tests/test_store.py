@@ -61,9 +61,10 @@ def read_all(readers: list[StoreReader], handle: Handle) -> None:
 
 def test_layout_offsets() -> None:
     assert STORE_META.size == OBJECT_HEADER.size == 64 and STORE_ROW.size == 128
-    raw = OBJECT_HEADER.pack(b"d" * 16, 7, 9)
+    raw = OBJECT_HEADER.pack(b"d" * 16, 7, 9, 11)
     assert raw[:16] == b"d" * 16 and int.from_bytes(raw[16:24], "little") == 7
     assert int.from_bytes(raw[24:28], "little") == 9
+    assert int.from_bytes(raw[32:40], "little") == 11
     raw = STORE_ROW.pack(1, 2, 3, 4, 5, 6, 7, *range(10, 18))
     offsets = (0, 8, 16, 24, 32, 40, 48, *range(64, 128, 8))
     assert [int.from_bytes(raw[o:o + 8], "little") for o in offsets] == [1, 2, 3, 4, 5, 6, 7,
