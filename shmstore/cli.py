@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .hitrate import add_arguments as hitrate_arguments
 
     hitrate_arguments(hitrate)
+    relay = commands.add_parser("relay", help="readers on other nodes: serve, connect, keygen")
+    from ._relay_cli import add_arguments as relay_arguments
+
+    relay_arguments(relay)
     commands.add_parser("ls", help="list shmstore segments in /dev/shm with owner, size and age")
     rm = commands.add_parser("rm", help="remove a segment whose writer is dead (never a live one)")
     rm.add_argument("names", nargs="+", metavar="NAME")
@@ -119,6 +123,20 @@ def cmd_gc() -> int:
     return 0
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as "512MiB", "4G" or "1000" (ValueError if it is not one)."""
+    number = text.strip().rstrip("kKmMgGtTiIbB")
+    unit = text.strip()[len(number):].lower()
+    if unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size such as 512MiB or 4G")
+    return int(float(number) * _UNITS[unit])
+
+
 def _size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
@@ -145,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         from .hitrate import main as hitrate_main
 
         return hitrate_main(args)
+    if args.command == "relay":
+        from ._relay_cli import main as relay_main
+
+        return relay_main(args)
     if args.command == "ls":
         return cmd_ls()
     if args.command == "rm":

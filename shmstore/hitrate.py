@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .cli import _size
+from .cli import _size, parse_size
 from .hitsim import SIM_KINDS, SimStats, make_sim, real_hits, replay
 
 __all__ = ["add_arguments", "main", "read_trace", "TraceError", "recommend"]
@@ -175,11 +175,6 @@ def _csv_requests(path: Path, rows: Any, cols: dict[str, int], first_line: int,
 
 # -- budgets and the replay -----------------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-
-
 def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
     """(label, bytes) per budget of `spec`: "5%" of the working set, or "4GiB"."""
     budgets = []
@@ -188,9 +183,8 @@ def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
             if part.endswith("%"):
                 nbytes = int(float(part[:-1]) * working_set / 100)
             else:
-                number = part.rstrip("kKmMgGtTiIbB")
-                nbytes = int(float(number) * _UNITS[part[len(number):].lower()])
-        except (ValueError, KeyError):
+                nbytes = parse_size(part)
+        except ValueError:
             raise TraceError(f"--budgets: {part!r} is neither a percent (5%) nor a size "
                              "(512MiB, 4GiB)") from None
         if nbytes < 1:

@@ -91,6 +91,7 @@ from .errors import (
     Closed,
     CorruptObject,
     InvalidArgument,
+    ObjectTooLarge,
     ProtocolError,
     StaleHandle,
     StoreFull,
@@ -207,7 +208,7 @@ class PublisherStats:
     nodes_joined: int
     nodes_dropped: int  # silent for peer_timeout_s, too slow for ZeroMQ's queue, or gone
     needs_served: int  # bodies sent again on a NEED
-    lost: int  # NEEDs answered LOST (the writer cleared the store meanwhile)
+    lost: int  # messages sent as LOST: cleared or damaged before they could be read
     bad_messages: int  # dropped: not of this protocol
     bytes_sent: int
 
@@ -279,15 +280,20 @@ class _Peer(Closeable):
         self._stop.set()
 
     def close(self) -> None:
-        """Stop serving, then close the socket and context; idempotent."""
+        """Stop serving, then close the socket, what the subclass owns, and the context;
+        idempotent."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         self._close_socket()
+        self._close_owned()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+    def _close_owned(self) -> None:
+        """Close what the subclass owns besides the socket (before the context ends)."""
 
     def _close_socket(self) -> None:
         if self._sock is not None:
@@ -395,8 +401,13 @@ class Publisher(_Peer):
                     self._forward(raw)
             except Timeout:
                 continue
-            except CorruptObject as exc:  # damaged locally: skipped, as for a local reader
+            except (CorruptObject, StaleHandle) as exc:
+                # damaged, or cleared before it was read: a local reader would get this error;
+                # the nodes get LOST for it (they skip it and count it)
                 log.warning("publisher %s: %s", self.endpoint, exc)
+                self._msg_no += 1
+                self._lost += 1
+                self._broadcast([pack(LOST, self._msg_no)])
             except Closed:
                 self._broadcast([pack(END)])
                 return "end"
@@ -409,6 +420,8 @@ class Publisher(_Peer):
         """Stop serving, close the socket (flushing a last END/GONE), the authenticator and the
         channel reader; idempotent. Connected relays notice within peer_timeout_s."""
         super().close()
+
+    def _close_owned(self) -> None:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -699,6 +712,8 @@ class Relay(_Peer):
     def close(self) -> None:
         """Stop serving, disconnect, close (and unlink) the node's channel; idempotent."""
         super().close()
+
+    def _close_owned(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -753,11 +768,10 @@ class Relay(_Peer):
         # Inline values larger than this relay's inline_threshold go through its store.
         _, epoch, _, max_object, first = fields
         channel = self.channel
-        if max_object > channel.store.max_object_bytes:
-            raise InvalidArgument(
-                f"the writer stores objects up to {max_object} bytes, this relay's store takes "
-                f"{channel.store.max_object_bytes}: create the relay with a larger capacity",
-                "capacity_bytes", channel.store.capacity_bytes)
+        if max_object > channel.store.max_object_bytes and self._expect is None:
+            log.warning("relay %r: the writer stores objects up to %d bytes, this node's store "
+                        "takes %d: larger ones will be lost here; give the relay a larger "
+                        "capacity", self.name, max_object, channel.store.max_object_bytes)
         if epoch != self._epoch:
             if self._held:
                 channel.store.clear()  # ids from another writer store: meaningless now
@@ -798,10 +812,9 @@ class Relay(_Peer):
                 self._send_local(None, object_id)
             else:
                 self._lost += 1
-        except CorruptObject as exc:
+        except (CorruptObject, ObjectTooLarge) as exc:
             self._lost += 1
-            log.warning("relay %r: message %d does not decode; skipped: %s", self.name, number,
-                        exc)
+            log.error("relay %r: message %d skipped on this node: %s", self.name, number, exc)
         self._expect = number + 1
         self._say(pack(ACK, number, self._evicted))
         self._reported += len(self._evicted)

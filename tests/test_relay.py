@@ -1,0 +1,386 @@
+"""The relay (relay.py, _wire.py) in one process: Publisher and Relays in threads, on localhost.
+
+Scenarios of the module doc: bodies once per node, REF on hits, NEED after a node evicted,
+LOST after a clear, joining and leaving nodes, END and GONE; the wire format's checks; the
+address and key rules. Processes, kills and cut connections: test_relay_mp.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmstore import Channel, Closed, InvalidArgument, ProtocolError, WriterGone
+from shmstore._wire import (
+    ACK,
+    HELLO,
+    INLINE,
+    OBJECT,
+    PING,
+    PROTOCOL_VERSION,
+    REF,
+    WELCOME,
+    pack,
+    parse,
+)
+from shmstore.relay import CurveKeys, Publisher, Relay, check_endpoint, generate_keys
+
+from .conftest import new_name
+
+pytestmark = pytest.mark.timeout(60)
+FAST = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1}
+
+
+def image(key: int, nbytes: int = 200_000) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 255, nbytes, dtype=np.uint8)
+
+
+class Net:
+    """A writer channel, its Publisher (thread) and relays (threads) with one reader each."""
+
+    def __init__(self, n_nodes: int, *, relay_capacity: int = 64 << 20,
+                 writer_capacity: int = 64 << 20, **publisher_kw: object) -> None:
+        self.name = new_name("relay")
+        self.writer = Channel.create(self.name, n_readers=1, capacity_bytes=writer_capacity)
+        self.publisher = Publisher(self.name, 0, "tcp://127.0.0.1:*", **{**FAST, **publisher_kw})
+        self.publisher.start()
+        self.relays: list[Relay] = []
+        self.readers = []
+        for i in range(n_nodes):
+            self.add_node(f"{self.name}-n{i}", relay_capacity)
+        self.writer.wait_for_readers(10)
+
+    def add_node(self, name: str, capacity: int, **kw: object) -> None:
+        relay = Relay(self.publisher.endpoint, name, 1, capacity, node=name, **{**FAST, **kw})
+        self.relays.append(relay)
+        self.readers.append(Channel.attach(name, 0))
+        relay.wait_for_readers(10)
+        relay.start()
+        self.publisher.wait_for_nodes(len(self.relays), 10)
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+        for relay in self.relays:
+            relay.close()
+        self.publisher.close()
+        self.writer.close()
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    n = Net(2)
+    yield n
+    n.close()
+
+
+def send_keys(writer, keys: list[int], nbytes: int = 200_000) -> None:
+    for k in keys:
+        arr = image(k, nbytes)
+        writer.send({"k": k, "pv": arr, "crc": zlib.crc32(arr)}, key=f"img-{k}", timeout=10)
+
+
+def check_received(reader, keys: list[int]) -> None:
+    for k in keys:
+        value = reader.recv(timeout=10)
+        assert value["k"] == k
+        assert zlib.crc32(value["pv"]) == value["crc"]
+        assert np.array_equal(value["pv"], image(k, len(value["pv"])))
+
+
+def test_bodies_once_per_node_refs_on_hits(net: Net) -> None:
+    keys = [0, 1, 2, 0, 1, 2, 3, 0, 3]
+    send_keys(net.writer, keys)
+    net.writer.send({"small": "inline", "n": 7}, timeout=10)
+    for reader in net.readers:
+        check_received(reader, keys)
+        assert reader.recv(timeout=10) == {"small": "inline", "n": 7}
+    stats = net.publisher.stats()
+    assert stats.messages == len(keys) + 1
+    for node in stats.nodes:
+        assert node.objects_sent == 4 and node.refs_sent == 5
+        # 4 bodies of ~200 kB, then a few dozen bytes per REF, PING or inline message
+        assert 4 * 200_000 < node.bytes_sent < 4 * 200_000 + 8_000
+    for relay in net.relays:
+        s = relay.stats()
+        assert (s.objects_received, s.refs_hit, s.needs, s.lost) == (4, 5, 0, 0)
+
+
+def test_ref_for_an_evicted_object_is_asked_for_again() -> None:
+    # each relay store holds ~2 objects, the writer's all of them: its REFs find them gone
+    n = Net(2, relay_capacity=600_000)
+    try:
+        keys = [0, 1, 2, 3, 0, 1, 2, 3, 0]
+        send_keys(n.writer, keys)
+        for reader in n.readers:
+            check_received(reader, keys)
+        for relay in n.relays:
+            s = relay.stats()
+            assert s.needs > 0 and s.lost == 0 and s.evictions_reported > 0
+        stats = n.publisher.stats()
+        assert stats.needs_served > 0 and stats.lost == 0
+        # evictions are reported, so REFs go only where the object still is
+        for relay in n.relays:
+            assert relay.stats().needs <= relay.stats().evictions_reported
+    finally:
+        n.close()
+
+
+def test_end_reaches_remote_readers_as_closed(net: Net) -> None:
+    send_keys(net.writer, [5])
+    net.writer.end()
+    for reader in net.readers:
+        check_received(reader, [5])
+        with pytest.raises(Closed):
+            reader.recv(timeout=10)
+    assert net.publisher.result(10) == "end"
+    assert [r.result(10) for r in net.relays] == ["end", "end"]
+
+
+def test_a_node_joining_late_gets_what_comes_next(net: Net) -> None:
+    send_keys(net.writer, [1, 2])
+    for reader in net.readers:
+        check_received(reader, [1, 2])
+    net.add_node(f"{net.name}-late", 64 << 20)
+    send_keys(net.writer, [2, 3])
+    for reader in net.readers:
+        check_received(reader, [2, 3])
+    late = net.publisher.stats().nodes[-1]
+    assert late.objects_sent == 2  # it held nothing: 2 is sent to it, not referenced
+
+
+def test_a_silent_node_is_dropped_and_does_not_pin_the_writer() -> None:
+    net = Net(2, writer_capacity=2 << 20)
+    try:
+        net.relays[1]._say = lambda frame: None  # it never answers: like a node cut off  # noqa: SLF001
+        keys = list(range(40))  # 8 MB through a 2 MB writer store: needs the node gone
+        done = threading.Thread(target=check_received, args=(net.readers[0], keys))
+        done.start()
+        send_keys(net.writer, keys)
+        done.join(20)
+        stats = net.publisher.stats()
+        assert stats.nodes_dropped == 1 and len(stats.nodes) == 1
+        assert stats.nodes[0].name == net.relays[0].name
+    finally:
+        net.close()
+
+
+def test_a_slow_node_holds_the_writer_within_the_window() -> None:
+    n = Net(1, window=4)
+    try:
+        send_keys(n.writer, list(range(12)))  # nobody reads on the node yet
+        time.sleep(0.5)
+        unacked = n.publisher.stats().nodes[0].unacked
+        assert unacked <= 4  # the publisher stopped reading the channel
+        check_received(n.readers[0], list(range(12)))
+    finally:
+        n.close()
+
+
+def test_relay_reports_writer_gone_after_writer_timeout() -> None:
+    n = Net(0)
+    try:
+        n.add_node(f"{n.name}-w", 64 << 20, writer_timeout_s=1.5)
+        n.publisher.close()  # the writer's node vanishes without a word
+        with pytest.raises(WriterGone):
+            n.readers[0].recv(timeout=10)
+        assert n.relays[0].result(5) == "gone"
+    finally:
+        n.close()
+
+
+def test_clear_on_the_writer_keeps_remote_data_right(net: Net) -> None:
+    send_keys(net.writer, [1, 2])
+    for reader in net.readers:
+        check_received(reader, [1, 2])
+    net.writer.store.clear()
+    # the same keys again, with other bytes: new object ids, so no REF to the old copies
+    for k in (1, 2):
+        arr = image(100 + k)
+        net.writer.send({"k": k, "pv": arr, "crc": zlib.crc32(arr)}, key=f"img-{k}", timeout=10)
+    for reader in net.readers:
+        for k in (1, 2):
+            value = reader.recv(timeout=10)
+            assert np.array_equal(value["pv"], image(100 + k))
+    assert all(node.refs_sent == 0 for node in net.publisher.stats().nodes)
+
+
+def test_a_handle_cleared_before_the_publisher_read_it_arrives_as_lost(net: Net) -> None:
+    net.publisher.stop()  # hold the publisher while the writer sends and clears
+    net.publisher.result(10)
+    send_keys(net.writer, [1])
+    net.writer.store.clear()
+    net.writer.send("after", timeout=10)
+    net.publisher._stop.clear()  # noqa: SLF001
+    net.publisher._thread = None  # noqa: SLF001
+    net.publisher.start()
+    for reader, relay in zip(net.readers, net.relays):
+        assert reader.recv(timeout=10) == "after"
+        assert relay.stats().lost == 1
+    assert net.publisher.stats().lost == 1
+
+
+# -- the wire format ---------------------------------------------------------------------------
+
+
+def test_parse_accepts_each_kind_and_rejects_bad_fields() -> None:
+    oid = b"x" * 24
+    assert parse([pack(REF, 3, oid)]) == (REF, [3, oid], None)
+    assert parse([pack(OBJECT, 3, oid), b"body"])[2] == b"body"
+    assert parse([pack(HELLO, PROTOCOL_VERSION, "n", 0, [oid])])[0] == HELLO
+    with pytest.raises(ProtocolError, match="not a valid id"):
+        parse([pack(REF, 3, b"short")])
+    with pytest.raises(ProtocolError, match="field 0"):
+        parse([pack(ACK, -1, [])])
+    with pytest.raises(ProtocolError, match="without a body"):
+        parse([pack(REF, 3, oid), b"extra"])
+    with pytest.raises(ProtocolError, match="with a body"):
+        parse([pack(INLINE, 3)])
+    with pytest.raises(ProtocolError, match="unknown message kind"):
+        parse([pack(99)])
+    with pytest.raises(ProtocolError, match="msgpack"):
+        parse([b"\xc1"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
+def test_parse_never_raises_anything_else(frames: list[bytes]) -> None:
+    try:
+        parse(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 16), st.lists(st.one_of(st.integers(-5, 2**64 - 1), st.binary(max_size=30),
+                                               st.text(max_size=5), st.none(),
+                                               st.lists(st.binary(max_size=25), max_size=3)),
+                                     max_size=6))
+def test_parse_checks_every_field(kind: int, fields: list[object]) -> None:
+    try:
+        parse([msgpack.packb([kind, *fields])])
+    except ProtocolError:
+        pass
+
+
+def test_garbage_from_a_peer_is_dropped_and_counted(net: Net) -> None:
+    ctx = zmq.Context.instance()
+    with ctx.socket(zmq.DEALER) as sock:
+        sock.connect(net.publisher.endpoint)
+        sock.send_multipart([b"\x93garbage", b"x"])
+        sock.send(pack(ACK, 10**12, []))  # an unknown peer's ACK: ignored
+        sock.send(pack(HELLO, PROTOCOL_VERSION + 1, "old", 0, []))  # another version: ignored
+        deadline = time.monotonic() + 5
+        while net.publisher.stats().bad_messages < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert net.publisher.stats().bad_messages == 2
+    send_keys(net.writer, [1])
+    for reader in net.readers:
+        check_received(reader, [1])
+
+
+def test_a_forged_object_body_is_not_delivered() -> None:
+    """A peer posing as a publisher: bodies that do not decode are skipped and counted."""
+    ctx = zmq.Context.instance()
+    name = new_name("forge")
+    with ctx.socket(zmq.ROUTER) as fake:
+        port = fake.bind_to_random_port("tcp://127.0.0.1")
+        relay = Relay(f"tcp://127.0.0.1:{port}", name, 1, 8 << 20, **FAST)
+        reader = Channel.attach(name, 0)
+        try:
+            relay.start()
+            rid, hello = fake.recv_multipart()
+            assert parse([hello])[0] == HELLO
+            fake.send_multipart([rid, pack(WELCOME, PROTOCOL_VERSION, 7, 65536, 1 << 20, 1)])
+            fake.send_multipart([rid, pack(OBJECT, 1, b"i" * 24), b"SSB1 not a body"])
+            fake.send_multipart([rid, pack(INLINE, 2), b"\x00" * 40])
+            fake.send_multipart([rid, pack(PING)])
+            fake.send_multipart([rid, pack(INLINE, 3), msgpack.packb(0) and
+                                 __import__("shmstore").dumps("fine")])
+            assert reader.recv(timeout=10) == "fine"
+            assert relay.stats().lost == 2
+        finally:
+            reader.close()
+            relay.close()
+
+
+# -- addresses, keys, arguments ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:1"])
+def test_wildcard_bind_is_refused_unless_allowed(endpoint: str) -> None:
+    with pytest.raises(InvalidArgument, match="every interface"):
+        check_endpoint(endpoint, allow_wildcard=False)
+    assert check_endpoint(endpoint, allow_wildcard=True) == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["10.0.0.1:5555", "tcp://host", "udp://h:1", 5555])
+def test_malformed_endpoints_are_refused(endpoint: object) -> None:
+    with pytest.raises(InvalidArgument, match="endpoint|tcp://"):
+        check_endpoint(endpoint, allow_wildcard=True)  # type: ignore[arg-type]
+
+
+def test_publisher_arguments_are_checked() -> None:
+    name = new_name("args")
+    with Channel.create(name, 1, 1 << 20):
+        with pytest.raises(InvalidArgument, match="both server_keys and allowed_clients"):
+            Publisher(name, 0, "tcp://127.0.0.1:*", allowed_clients=[b"x" * 40])
+        with pytest.raises(InvalidArgument, match="window"):
+            Publisher(name, 0, "tcp://127.0.0.1:*", window=0)
+        with pytest.raises(InvalidArgument, match="peer_timeout_s"):
+            Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=0)
+
+
+def test_curve_refuses_unknown_relays(tmp_path) -> None:  # noqa: ANN001
+    server = CurveKeys.load(generate_keys(tmp_path, "server")[1])
+    good = CurveKeys.load(generate_keys(tmp_path, "good")[1])
+    bad = CurveKeys.load(generate_keys(tmp_path, "bad")[1])
+    assert (tmp_path / "server.key_secret").stat().st_mode & 0o077 == 0
+    name = new_name("curve")
+    writer = Channel.create(name, 1, 8 << 20)
+    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=server,
+                          allowed_clients=[good.public], **FAST)
+    publisher.start()
+    relays = []
+    try:
+        for tag, keys in (("bad", bad), ("good", good)):
+            relays.append(Relay(publisher.endpoint, f"{name}-{tag}", 1, 8 << 20,
+                                client_keys=keys, server_key=server.public, **FAST))
+        plain = Relay(publisher.endpoint, f"{name}-plain", 1, 8 << 20, **FAST)
+        relays.append(plain)
+        readers = [Channel.attach(r.name, 0) for r in relays]
+        for relay in relays:
+            relay.start()
+        publisher.wait_for_nodes(1, 10)
+        time.sleep(1.0)
+        assert len(publisher.stats().nodes) == 1 and publisher.stats().nodes[0].name.endswith("")
+        writer.send({"secret": np.arange(100_000)}, key="k", timeout=10)
+        assert np.array_equal(readers[1].recv(timeout=10)["secret"], np.arange(100_000))
+        for i in (0, 2):
+            assert not relays[i].stats().connected and relays[i].stats().bytes_received == 0
+        for reader in readers:
+            reader.close()
+    finally:
+        for relay in relays:
+            relay.close()
+        publisher.close()
+        writer.close()
+
+
+def test_missing_key_files_say_how_to_make_them(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(InvalidArgument, match="shmstore relay keygen"):
+        CurveKeys.load(tmp_path / "nope.key_secret")
+
+
+def test_stop_from_another_thread_ends_serve(net: Net) -> None:
+    threading.Timer(0.2, net.publisher.stop).start()
+    assert net.publisher.result(10) == "closed"
