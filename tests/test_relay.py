@@ -19,7 +19,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmstore import Channel, Closed, InvalidArgument, ProtocolError, WriterGone
+from shmstore import Channel, Closed, InvalidArgument, ProtocolError, WriterGone, dumps
 from shmstore._wire import (
     ACK,
     HELLO,
@@ -161,7 +161,7 @@ def test_a_node_joining_late_gets_what_comes_next(net: Net) -> None:
 def test_a_silent_node_is_dropped_and_does_not_pin_the_writer() -> None:
     net = Net(2, writer_capacity=2 << 20)
     try:
-        net.relays[1]._say = lambda frame: None  # it never answers: like a node cut off  # noqa: SLF001
+        net.relays[1]._say = lambda frame: None  # it never answers: like a node cut off
         keys = list(range(40))  # 8 MB through a 2 MB writer store: needs the node gone
         done = threading.Thread(target=check_received, args=(net.readers[0], keys))
         done.start()
@@ -220,8 +220,8 @@ def test_a_handle_cleared_before_the_publisher_read_it_arrives_as_lost(net: Net)
     send_keys(net.writer, [1])
     net.writer.store.clear()
     net.writer.send("after", timeout=10)
-    net.publisher._stop.clear()  # noqa: SLF001
-    net.publisher._thread = None  # noqa: SLF001
+    net.publisher._stop.clear()
+    net.publisher._thread = None
     net.publisher.start()
     for reader, relay in zip(net.readers, net.relays):
         assert reader.recv(timeout=10) == "after"
@@ -304,8 +304,7 @@ def test_a_forged_object_body_is_not_delivered() -> None:
             fake.send_multipart([rid, pack(OBJECT, 1, b"i" * 24), b"SSB1 not a body"])
             fake.send_multipart([rid, pack(INLINE, 2), b"\x00" * 40])
             fake.send_multipart([rid, pack(PING)])
-            fake.send_multipart([rid, pack(INLINE, 3), msgpack.packb(0) and
-                                 __import__("shmstore").dumps("fine")])
+            fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
             assert reader.recv(timeout=10) == "fine"
             assert relay.stats().lost == 2
         finally:
@@ -325,7 +324,7 @@ def test_wildcard_bind_is_refused_unless_allowed(endpoint: str) -> None:
 
 @pytest.mark.parametrize("endpoint", ["10.0.0.1:5555", "tcp://host", "udp://h:1", 5555])
 def test_malformed_endpoints_are_refused(endpoint: object) -> None:
-    with pytest.raises(InvalidArgument, match="endpoint|tcp://"):
+    with pytest.raises(InvalidArgument, match=r"endpoint"):
         check_endpoint(endpoint, allow_wildcard=True)  # type: ignore[arg-type]
 
 
@@ -340,7 +339,7 @@ def test_publisher_arguments_are_checked() -> None:
             Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=0)
 
 
-def test_curve_refuses_unknown_relays(tmp_path) -> None:  # noqa: ANN001
+def test_curve_refuses_unknown_relays(tmp_path) -> None:
     server = CurveKeys.load(generate_keys(tmp_path, "server")[1])
     good = CurveKeys.load(generate_keys(tmp_path, "good")[1])
     bad = CurveKeys.load(generate_keys(tmp_path, "bad")[1])
@@ -362,7 +361,7 @@ def test_curve_refuses_unknown_relays(tmp_path) -> None:  # noqa: ANN001
             relay.start()
         publisher.wait_for_nodes(1, 10)
         time.sleep(1.0)
-        assert len(publisher.stats().nodes) == 1 and publisher.stats().nodes[0].name.endswith("")
+        assert [n.name for n in publisher.stats().nodes] == [relays[1].node]
         writer.send({"secret": np.arange(100_000)}, key="k", timeout=10)
         assert np.array_equal(readers[1].recv(timeout=10)["secret"], np.arange(100_000))
         for i in (0, 2):
@@ -376,7 +375,7 @@ def test_curve_refuses_unknown_relays(tmp_path) -> None:  # noqa: ANN001
         writer.close()
 
 
-def test_missing_key_files_say_how_to_make_them(tmp_path) -> None:  # noqa: ANN001
+def test_missing_key_files_say_how_to_make_them(tmp_path) -> None:
     with pytest.raises(InvalidArgument, match="shmstore relay keygen"):
         CurveKeys.load(tmp_path / "nope.key_secret")
 
