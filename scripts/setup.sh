@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
-"${PIP[@]}" -e '.[torch,test,demo,bench,hitrate]'
+"${PIP[@]}" -e '.[torch,test,demo,bench,hitrate,relay]'
 if [ "${1:-}" = "--no-vllm" ]; then
   exit 0
 fi

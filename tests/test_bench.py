@@ -50,3 +50,14 @@ def test_bench_hitrate_runs_every_column(tmp_path: Path) -> None:
     rows = (tmp_path / "hitrate.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 4 and "libcachesim_s3fifo" in rows[0]
     assert (tmp_path / "hitrate.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_relay_runs(tmp_path: Path) -> None:
+    data = run_script("bench_relay.py", "--items", "2", "--sizes", "1", tmp_path=tmp_path)
+    methods = {row["method"] for row in data["rows"]}
+    assert methods == {"shmstore relay", "pub/sub pickled", "per reader"}
+    relay = next(r for r in data["rows"] if r["method"] == "shmstore relay")
+    pubsub = next(r for r in data["rows"] if r["method"] == "pub/sub pickled")
+    assert relay["mb_per_item"] < pubsub["mb_per_item"]  # bytes, not speed: hits cross as REFs
