@@ -172,7 +172,7 @@ def test_every_reader_on_every_node_gets_every_value_each_object_crossing_once(
     for proxy in cluster.proxies:
         assert bodies + inline <= proxy.down_bytes <= bodies + inline + 60 * len(plan) + 20_000
     for tag in ("nodeB", "nodeC"):
-        wait_for(lambda: "relay stopped: end" in cluster.log(tag), 30, f"{tag} to stop")
+        wait_for(lambda t=tag: "relay stopped: end" in cluster.log(t), 30, f"{tag} to stop")
     wait_for(lambda: "publisher stopped: end" in cluster.log("publisher"), 30, "publisher")
 
 
