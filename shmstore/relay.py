@@ -343,7 +343,7 @@ class Publisher(_Peer):
             self._sock = sock
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
             sock.setsockopt(zmq.SNDHWM, 4 * self.window + 64)  # above the window: never hit
-            sock.setsockopt(zmq.RCVHWM, 0)  # relays send only small messages, bounded by acks
+            sock.setsockopt(zmq.RCVHWM, 10_000)  # relays send small messages: a bound, not a limit
             if server_keys is not None:
                 self._auth = ThreadAuthenticator(self._ctx)
                 self._auth.start()
@@ -824,6 +824,8 @@ class Relay(_Peer):
         """Hand a value (or the cached object `object_id`) to the local readers; while they are
         slow, keep the Publisher told that this node lives."""
         channel = self.channel
+        store = channel.store
+        objects, by_handle = len(store), channel.sent_by_handle
         while True:
             try:
                 channel.send(value, key=object_id, timeout=self.heartbeat_s)
@@ -833,12 +835,13 @@ class Relay(_Peer):
                     raise
                 self._say(pack(PING))
         self._messages += 1
-        if object_id is None:
-            return
-        store = channel.store
-        if store.is_cached(object_id):
-            self._held[object_id] = None
-        if len(store) < len(self._held):  # something was evicted: find what
+        if object_id is None:  # stored only if larger than this node's inline threshold
+            put = channel.sent_by_handle > by_handle
+        else:
+            put = object_id not in self._held and store.is_cached(object_id)
+            if put:
+                self._held[object_id] = None
+        if len(store) < objects + put:  # the put made room by dropping objects: find which
             gone = [k for k in self._held if not store.is_cached(k)]
             for k in gone:
                 del self._held[k]

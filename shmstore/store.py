@@ -239,13 +239,14 @@ class StoreReader(StoreBase):
         shared memory, with the object's identity; count the read on exit unless `count` is
         False (a reader that gives hand-outs up with finished_through). For forwarding an
         object without decoding it (a relay); the view is valid inside the block only."""
-        def located() -> StoredBody:
-            start, body, body_bytes, origin = self._locate(handle)
+        def read() -> StoredBody:
+            located = self._locate(handle)
+            body, body_bytes, _, origin = located
             data = self._buf[body:body + body_bytes].toreadonly()
-            self._decode(handle, copy=False, located=(start, body, body_bytes, origin))
+            self._decode(handle, copy=False, located=located)
             return StoredBody(handle.key_digest + U64.pack(origin), data)
 
-        with self._pinned(handle, located, count) as stored:
+        with self._pinned(handle, read, count) as stored:
             yield stored
 
     @contextmanager
@@ -347,8 +348,8 @@ class StoreReader(StoreBase):
             self._pins_free.append(index)
 
     def _locate(self, handle: Handle) -> tuple[int, int, int, int]:
-        """Check the pinned object's headers against `handle`: (object start, body start,
-        body bytes, origin seq); give it up if its chunk header is damaged."""
+        """Check the pinned object's headers against `handle`: (body start, body bytes,
+        structure crc, origin seq); give it up if its chunk header is damaged."""
         ring = self._reader_ring
         try:
             header = ring.header(handle.address, handle.seq)
@@ -360,7 +361,7 @@ class StoreReader(StoreBase):
                     self._count_read(handle, corrupt=True)
             raise CorruptObject(str(exc), self.name) from None
         start = handle.address + ALIGN_BYTES
-        digest, body_bytes, _, origin = OBJECT_HEADER.unpack_from(self._buf, start)
+        digest, body_bytes, crc, origin = OBJECT_HEADER.unpack_from(self._buf, start)
         if digest != handle.key_digest:
             raise StaleHandle(f"handle {handle} does not match the key of the object at its "
                               f"address in store {self.name!r}; it is stale or forged",
@@ -375,13 +376,12 @@ class StoreReader(StoreBase):
                 self._count_read(handle, corrupt=True)
             raise CorruptObject(f"object seq {handle.seq} in store {self.name!r} is damaged "
                                 f"and was given up: it {problem}", self.name)
-        return start, start + self._header_bytes, body_bytes, origin
+        return start + self._header_bytes, body_bytes, crc, origin
 
     def _decode(self, handle: Handle, copy: bool,
                 located: tuple[int, int, int, int] | None = None) -> Any:
         """Validate the pinned object and decode it; give it up if it is damaged."""
-        start, body, body_bytes, _ = located or self._locate(handle)
-        crc = OBJECT_HEADER.unpack_from(self._buf, start)[2]
+        body, body_bytes, crc, _ = located or self._locate(handle)
         try:
             return decode(self._buf[body:body + body_bytes], copy=copy, expected_crc=crc,
                           crc_suffix=U64.pack(body_bytes))

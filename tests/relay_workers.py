@@ -12,8 +12,9 @@ from shmstore import Channel, Closed, Timeout, WriterGone
 
 
 def item(key: int) -> np.ndarray:
-    """The array stored under key `key`: its size and bytes follow from the key."""
-    nbytes = 70_000 + (key * 7919) % 250_000
+    """The array stored under key `key`: its size and bytes follow from the key (at least
+    150 kB: more than the wire check's slack, so one object sent twice would show)."""
+    nbytes = 150_000 + (key * 7919) % 250_000
     return np.random.default_rng(key).integers(0, 255, nbytes, dtype=np.uint8)
 
 

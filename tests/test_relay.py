@@ -383,3 +383,27 @@ def test_missing_key_files_say_how_to_make_them(tmp_path) -> None:
 def test_stop_from_another_thread_ends_serve(net: Net) -> None:
     threading.Timer(0.2, net.publisher.stop).start()
     assert net.publisher.result(10) == "closed"
+
+
+def test_evictions_by_large_inline_values_are_reported() -> None:
+    """A node with a smaller inline threshold stores the writer's inline values; those puts
+    evict objects too, and the node must say so (else the writer sends REFs to nothing)."""
+    n = Net(0)
+    try:
+        n.add_node(f"{n.name}-small", 700_000, inline_threshold=1024)
+        send_keys(n.writer, [1, 2])  # two 200 kB objects in a ~700 kB store
+        for i in range(8):  # 60 kB values: inline for the writer, stored on the node
+            n.writer.send({"i": i, "pad": bytes(60_000)}, timeout=10)
+        check_received(n.readers[0], [1, 2])
+        for i in range(8):
+            assert n.readers[0].recv(timeout=10)["i"] == i
+        deadline = time.monotonic() + 5  # the ACKs saying so reach the publisher
+        while n.publisher.stats().nodes[0].held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert n.publisher.stats().nodes[0].held == 0
+        send_keys(n.writer, [1, 2])  # sent as bodies, not as REFs to what is gone
+        check_received(n.readers[0], [1, 2])
+        s = n.relays[0].stats()
+        assert s.evictions_reported == 2 and s.needs == 0 and s.lost == 0
+    finally:
+        n.close()
