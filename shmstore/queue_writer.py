@@ -37,6 +37,9 @@ class QueueWriter(QueueBase):
         super().__init__(segment)
         self._spin_s = spin_s
         self._write_seq = 0
+        # Every reader attached now has read through this message (readers only move forward,
+        # and one attaching later starts at the head): puts up to n_slots past it need no check.
+        self._read_through = 0
         self._liveness = Liveness(self._table)
         self._bells: list[Doorbell] = []
         self._writer_bell: Doorbell | None = None
@@ -106,7 +109,7 @@ class QueueWriter(QueueBase):
         guard = self._enter()
         try:
             seq = self._write_seq + 1
-            if seq > self.n_slots and self._lagging(seq, force=False):
+            if seq - self.n_slots > self._read_through and self._lagging(seq, force=False):
                 self._wait_for_space(seq, deadline, guard)
             buf = self._buf
             slot = self.slot(seq)
@@ -181,11 +184,16 @@ class QueueWriter(QueueBase):
         table = self._table
         need = seq - self.n_slots
         lagging = []
+        lowest = self._write_seq
         for r in range(self.n_readers):
-            if words.load_acquire(table.row(r) + ROW_READ_SEQ) >= need:
+            read = words.load_acquire(table.row(r) + ROW_READ_SEQ)
+            if read >= need:
+                lowest = min(lowest, read)
                 continue
             if self._liveness.status(r, force)[0] == ATTACHED:
                 lagging.append(r)
+        if not lagging:
+            self._read_through = lowest
         return tuple(lagging)
 
     def _wait_for_space(self, seq: int, deadline: Deadline, guard: CallGuard) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import operator
 import zlib
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgpack
@@ -74,6 +75,10 @@ __all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "materializ
 _TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
 _INT_MIN = -(1 << 63)
 _INT_LIMIT = 1 << 64
+# Taken as they are. msgpack itself refuses an int outside 64 bits (OverflowError) and a str
+# UTF-8 cannot encode; encode() then finds the value's path for the error.
+_DTYPE_NAMES = {dtype: name for name, dtype in NUMPY_DTYPES.items()}  # dtype -> its .str
+_LEAVES = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def _format_path(root: str, path: tuple[Any, ...]) -> str:
@@ -168,27 +173,25 @@ class _Encoder:
 
     def walk(self, obj: Any, path: tuple[Any, ...], depth: int) -> Any:
         kind = type(obj)
-        if obj is None or kind is bool or kind is float or kind is str or kind is bytes:
-            return obj
-        if kind is int:
-            if not _INT_MIN <= obj < _INT_LIMIT:
-                raise self.fail(path, obj, f"int {obj} does not fit in 64 bits; send it as a str "
-                                "or a numpy array")
+        if kind in _LEAVES:
             return obj
         if depth >= MAX_DEPTH:
             raise self.fail(path, obj, f"nested deeper than {MAX_DEPTH} levels (or cyclic)")
+        # Containers: leaves (the common case) are taken inline, without a call or a path.
         if kind is list:
-            return [self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
+            return [v if type(v) in _LEAVES else self.walk(v, path + (i,), depth + 1)
+                    for i, v in enumerate(obj)]
         if kind is dict:
             out = {}
             for k, v in obj.items():
-                if not (k is None or type(k) in (str, bytes, int, float, bool)):
+                if type(k) not in _LEAVES:
                     raise self.fail(path + (k,), k, "dict keys must be str, bytes, int, float, "
                                     "bool or None")
-                out[self.walk(k, path, depth + 1)] = self.walk(v, path + (k,), depth + 1)
+                out[k] = v if type(v) in _LEAVES else self.walk(v, path + (k,), depth + 1)
             return out
         if kind is tuple:
-            return [_TUPLE_EXT, *(self.walk(v, path + (i,), depth + 1) for i, v in enumerate(obj))]
+            return [_TUPLE_EXT, *(v if type(v) in _LEAVES else self.walk(v, path + (i,), depth + 1)
+                                  for i, v in enumerate(obj))]
         if kind is np.ndarray:
             return self.array(obj, path)
         if kind is Blank:
@@ -228,11 +231,12 @@ class _Encoder:
         return len(self.sources) - 1
 
     def array(self, arr: np.ndarray, path: tuple[Any, ...]) -> msgpack.ExtType:
-        if arr.dtype.kind not in NUMERIC_KINDS or arr.dtype.str not in NUMPY_DTYPES:
+        name = _DTYPE_NAMES.get(arr.dtype)
+        if name is None:
             raise self.fail(path, arr, f"arrays of dtype {arr.dtype} are not supported (only bool "
                             "and numeric dtypes)")
         index = self.add(arr, arr.nbytes, path)
-        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([arr.dtype.str, list(arr.shape), index]))
+        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([name, list(arr.shape), index]))
 
     def tensor(self, t: Any, path: tuple[Any, ...]) -> msgpack.ExtType:
         name = str(t.dtype).removeprefix("torch.")
@@ -319,11 +323,18 @@ def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:
     try:
         structure = msgpack.packb(tree)
     except UnicodeEncodeError:
-        where = _format_path(root, _bad_str_path(obj, ()) or ())
+        where = _format_path(root, _leaf_path(obj, (), _not_utf8) or ())
         raise NotSerializable(f"cannot serialize the str at {where}: it is not valid Unicode (a "
                               "lone surrogate); encode it with errors='surrogatepass' and send "
                               "bytes", where) from None
+    except OverflowError:
+        where = _format_path(root, _leaf_path(obj, (), _wider_than_64_bits) or ())
+        raise NotSerializable(f"cannot serialize the int at {where}: it does not fit in 64 bits; "
+                              "send it as a str or a numpy array", where) from None
     n_buffers = len(enc.sources)
+    if not n_buffers:  # no arrays (queue messages): header and structure only
+        return Encoded(BODY_HEADER.pack(BODY_MAGIC, 0, len(structure)) + structure, [],
+                       BODY_HEADER.size + len(structure))
     table_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers
     nbytes = table_end + len(structure)
     prefix = bytearray(table_end)
@@ -341,23 +352,34 @@ def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:
     return Encoded(bytes(prefix) + structure, buffers, nbytes, blank_list)
 
 
-def _bad_str_path(obj: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """Where in `obj` a str that UTF-8 cannot encode is (the slow path of an encode error)."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+def _not_utf8(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _wider_than_64_bits(value: Any) -> bool:
+    return isinstance(value, int) and not _INT_MIN <= value < _INT_LIMIT
+
+
+def _leaf_path(obj: Any, path: tuple[Any, ...], bad: Callable[[Any], bool]
+               ) -> tuple[Any, ...] | None:
+    """Where in `obj` a value (or dict key) for which `bad` is true is (the slow path of an
+    encode error); walks what walk() produced a tree for, so no depth check is needed."""
+    if bad(obj):
+        return path
     if isinstance(obj, dict):
         for k, v in obj.items():
-            found = _bad_str_path(k, path) if isinstance(k, str) else None
-            found = found if found is not None else _bad_str_path(v, path + (k,))
+            found = path if bad(k) else _leaf_path(v, path + (k,), bad)
             if found is not None:
                 return found
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            found = _bad_str_path(v, path + (i,))
+            found = _leaf_path(v, path + (i,), bad)
             if found is not None:
                 return found
     return None

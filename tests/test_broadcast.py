@@ -76,6 +76,37 @@ def test_backpressure_names_the_lagging_reader(queue) -> None:
     w.put(4, timeout=0.05)  # one slot came back
 
 
+def test_backpressure_after_the_writer_remembered_how_far_readers_read(name: str) -> None:
+    # The writer skips the check while every reader it last saw is n_slots ahead. A reader that
+    # stops reading, or one that attaches in between, must still hold it back.
+    with BroadcastQueue.create(name, n_readers=2, slot_bytes=256, n_slots=4) as w:
+        r0 = BroadcastQueue.attach(name, reader=0)
+        for i in range(6):  # the writer checks at the fifth put, when reader 0 has read two
+            w.put(i, timeout=0)
+            if i < 2:
+                assert r0.get(timeout=1) == i
+        with pytest.raises(Timeout, match=r"reader\(s\) \[0\] have not consumed message 3"):
+            w.put(6, timeout=0.05)
+        assert [r0.get(timeout=1) for _ in range(4)] == [2, 3, 4, 5]
+        for i in range(6, 12):
+            w.put(i, timeout=0)
+            assert r0.get(timeout=1) == i
+        r1 = BroadcastQueue.attach(name, reader=1)
+        for i in range(12, 16):
+            w.put(i, timeout=0)
+        assert [r0.get(timeout=1) for _ in range(4)] == [12, 13, 14, 15]
+        with pytest.raises(Timeout, match=r"reader\(s\) \[1\] have not consumed message 13"):
+            w.put(16, timeout=0.05)
+        assert [r1.get(timeout=1) for _ in range(4)] == [12, 13, 14, 15]
+        for i in range(16, 20):
+            w.put(i, timeout=0)
+        with pytest.raises(Timeout, match=r"reader\(s\) \[0, 1\] have not consumed message 17"):
+            w.put(20, timeout=0.05)
+        assert [r.get(timeout=1) for r in (r0, r1) for _ in range(4)] == [16, 17, 18, 19] * 2
+        r0.close()
+        r1.close()
+
+
 def test_reader_timeout(queue) -> None:
     _, (r0, _) = queue
     t0 = time.monotonic()

@@ -153,8 +153,16 @@ def test_int_out_of_range_and_too_deep() -> None:
     with pytest.raises(NotSerializable, match=r"obj\['big'\]") as info:
         encode({"big": 2**64})
     assert info.value.path == "obj['big']"
-    with pytest.raises(NotSerializable):
+    with pytest.raises(NotSerializable, match=r"obj\[0\]"):
         encode([-(2**63) - 1])
+
+    class Wide(int):
+        pass
+
+    with pytest.raises(NotSerializable, match=r"int at obj\['a'\]\[1\]\[0\]: .* 64 bits"):
+        encode({"a": [1, (Wide(2**70),)], "b": 2})
+    with pytest.raises(NotSerializable, match=r"int at obj\['k'\]: .* 64 bits"):
+        encode({"k": {2**64: "key"}})
     deep: list[object] = []
     node = deep
     for _ in range(200):

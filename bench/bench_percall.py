@@ -1,0 +1,128 @@
+"""Where the fixed cost of one put / get / view of a small object goes.
+
+    OMP_NUM_THREADS=1 python bench/bench_percall.py [--size BYTES] [--repeats N]
+
+The object is what a multimodal preprocessor hands over: {"pixel_values": float32 array of
+--size bytes, "image_sizes": (336, 336)}. Each step of the real call is timed on its own, on
+the same inputs, with the same code the call runs (microseconds per call, the median of
+--repeats batches); the remainder is what the call costs beyond the steps listed (Python calls,
+the ring's bookkeeping, the eviction of the oldest object). The copy rows show what a bare numpy
+copy of the same bytes costs in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import itertools
+import statistics
+import time
+import zlib
+from collections.abc import Callable
+
+import msgpack
+import numpy as np
+
+from shmstore import ObjectStore
+from shmstore._serde_decode import decode
+from shmstore._store_layout import U64
+from shmstore.handle import key_digest
+from shmstore.serde import _Encoder, encode
+
+BATCH = 200
+
+
+def per_call_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(BATCH):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(BATCH):
+            fn()
+        times.append((time.perf_counter() - t0) / BATCH)
+    return statistics.median(times) * 1e6
+
+
+def table(title: str, total: float, parts: list[tuple[str, float]]) -> None:
+    print(f"\n{title}: {total:.2f} us per call")
+    for label, us in parts:
+        print(f"  {label:<44} {us:6.2f} us  {100 * us / total:5.1f} %")
+    rest = total - sum(us for _, us in parts)
+    print(f"  {'rest (calls, ring bookkeeping, eviction)':<44} {rest:6.2f} us  "
+          f"{100 * rest / total:5.1f} %")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=64 << 10)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    r = args.repeats
+    src = np.random.default_rng(0).random(args.size // 4, dtype=np.float32)
+    obj = {"pixel_values": src, "image_sizes": (336, 336)}
+    keys = (f"image-{i:012d}" for i in itertools.count())
+    name = f"shmstore-percall-{os.getpid()}"
+    capacity = max(64 << 20, 64 * args.size)
+
+    with ObjectStore.create(name, capacity_bytes=capacity, n_readers=0) as store:
+        for _ in range(capacity // args.size + 1):  # steady state: every put evicts one
+            store.put(next(keys), obj)
+        put = per_call_us(lambda: store.put(next(keys), obj), r)
+        enc = encode(obj)
+        tree = _Encoder("obj", False).walk(obj, (), 0)
+        dst = memoryview(bytearray(enc.nbytes + 64))
+        words = store._words
+        word = store._meta
+        parts = [
+            ("key digest (blake2b-128 of the key)", per_call_us(lambda: key_digest(next(keys)), r)),
+            ("encode: walk the value, size the body", per_call_us(lambda: encode(obj), r)),
+            ("  of which msgpack.packb of the structure", per_call_us(lambda: msgpack.packb(tree), r)),
+            ("structure CRC-32 + object header pack",
+             per_call_us(lambda: zlib.crc32(U64.pack(enc.nbytes), enc.structure_crc), r)),
+            ("write_into: prefix + array copy", per_call_us(lambda: enc.write_into(dst), r)),
+            ("  of which np.copyto of the array alone",
+             per_call_us(lambda: np.copyto(np.frombuffer(dst, np.float32, src.size, 64), src), r)),
+            ("full barrier (atomic exchange, hand-out)", per_call_us(lambda: words.exchange(word, 0), r)),
+            ("call guard enter + leave",
+             per_call_us(lambda: (store._guard_enter(), store._guard_leave()), r)),
+        ]
+        table(f"put of {args.size} B", put, parts)
+
+    with ObjectStore.create(name, capacity_bytes=capacity, n_readers=1) as store:
+        reader = ObjectStore.attach(name, reader=0)
+        try:
+            handle = store.put("x", obj)
+            for _ in range(BATCH * (3 * r + 10)):
+                store.get_cached("x")
+            get = per_call_us(lambda: reader.get(handle), r)
+
+            def view() -> None:
+                with reader.view(handle) as value:
+                    value["pixel_values"]
+
+            view_us = per_call_us(view, r)
+            body, body_bytes, crc, _ = reader._locate(handle)
+            data = reader._buf[body:body + body_bytes]
+            suffix = U64.pack(body_bytes)
+            guard = reader._guard
+            parts = [
+                ("call guard enter + leave", per_call_us(lambda: (guard.enter(), guard.leave()), r)),
+                ("pin + unpin (two full barriers, a lock)",
+                 per_call_us(lambda: reader._unpin(reader._pin(handle), None), r)),
+                ("locate: chunk + object header checks", per_call_us(lambda: reader._locate(handle), r)),
+                ("decode, zero copy (msgpack, checks, CRC)",
+                 per_call_us(lambda: decode(data, copy=False, expected_crc=crc, crc_suffix=suffix), r)),
+                ("array copy into fresh memory (arr.copy)", per_call_us(lambda: src.copy(), r)),
+            ]
+            table(f"get of {args.size} B (owned copy)", get, parts)
+            table(f"view of {args.size} B (zero copy)", view_us, parts[:4])
+        finally:
+            reader.close()
+
+
+if __name__ == "__main__":
+    main()
