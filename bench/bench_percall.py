@@ -5,9 +5,9 @@
 The object is what a multimodal preprocessor hands over: {"pixel_values": float32 array of
 --size bytes, "image_sizes": (336, 336)}. Each step of the real call is timed on its own, on
 the same inputs, with the same code the call runs (microseconds per call, the median of
---repeats batches); the remainder is what the call costs beyond the steps listed (Python calls,
-the ring's bookkeeping, the eviction of the oldest object). The copy rows show what a bare numpy
-copy of the same bytes costs in the same run.
+--repeats batches); "rest" is what the call costs beyond the steps listed (Python calls, the
+ring's and the index's bookkeeping, the eviction of the oldest object, the read count). The
+copy rows show what a bare numpy copy of the same bytes costs in the same run.
 """
 
 from __future__ import annotations
@@ -47,13 +47,12 @@ def per_call_us(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def table(title: str, total: float, parts: list[tuple[str, float]]) -> None:
+def table(title: str, total: float, parts: list[tuple[str, float]], rest: str) -> None:
     print(f"\n{title}: {total:.2f} us per call")
     for label, us in parts:
         print(f"  {label:<44} {us:6.2f} us  {100 * us / total:5.1f} %")
-    rest = total - sum(us for _, us in parts)
-    print(f"  {'rest (calls, ring bookkeeping, eviction)':<44} {rest:6.2f} us  "
-          f"{100 * rest / total:5.1f} %")
+    left = total - sum(us for _, us in parts)
+    print(f"  {'rest: ' + rest:<44} {left:6.2f} us  {100 * left / total:5.1f} %")
 
 
 def main() -> None:
@@ -90,7 +89,7 @@ def main() -> None:
             ("call guard enter + leave",
              per_call_us(lambda: (store._guard_enter(), store._guard_leave()), r)),
         ]
-        table(f"put of {args.size} B", put, parts)
+        table(f"put of {args.size} B", put, parts, "ring, index, policy, eviction, calls")
 
     with ObjectStore.create(name, capacity_bytes=capacity, n_readers=1) as store:
         reader = ObjectStore.attach(name, reader=0)
@@ -118,8 +117,9 @@ def main() -> None:
                  per_call_us(lambda: decode(data, copy=False, expected_crc=crc, crc_suffix=suffix), r)),
                 ("array copy into fresh memory (arr.copy)", per_call_us(lambda: src.copy(), r)),
             ]
-            table(f"get of {args.size} B (owned copy)", get, parts)
-            table(f"view of {args.size} B (zero copy)", view_us, parts[:4])
+            table(f"get of {args.size} B (owned copy)", get, parts, "read count, reuse check, calls")
+            table(f"view of {args.size} B (zero copy)", view_us, parts[:4],
+                  "read count, context manager, calls")
         finally:
             reader.close()
 

@@ -61,3 +61,26 @@ def test_bench_relay_runs(tmp_path: Path) -> None:
     relay = next(r for r in data["rows"] if r["method"] == "shmstore relay")
     pubsub = next(r for r in data["rows"] if r["method"] == "pub/sub pickled")
     assert relay["mb_per_item"] < pubsub["mb_per_item"]  # bytes, not speed: hits cross as REFs
+
+
+def run_printing_script(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True,
+                          text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_percall_breaks_every_call_down() -> None:
+    out = run_printing_script("bench_percall.py", "--size", "4096", "--repeats", "2")
+    for call in ("put of 4096 B", "get of 4096 B (owned copy)", "view of 4096 B (zero copy)"):
+        assert call in out
+    assert out.count("rest: ") == 3 and "key digest" in out and "decode, zero copy" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_wakeup_runs() -> None:
+    out = run_printing_script("bench_wakeup.py", "--messages", "10", "--gap-ms", "2")
+    assert "put to get p50" in out and "bare semaphore, same pacing: p50" in out
