@@ -7,7 +7,8 @@ The object is what a multimodal preprocessor hands over: {"pixel_values": float3
 the same inputs, with the same code the call runs (microseconds per call, the median of
 --repeats batches); "rest" is what the call costs beyond the steps listed (Python calls, the
 ring's and the index's bookkeeping, the eviction of the oldest object, the read count). The
-copy rows show what a bare numpy copy of the same bytes costs in the same run.
+copy rows show what a bare numpy copy of the same bytes costs in the same run. Last, a queue's
+put and get of a float message.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import msgpack
 import numpy as np
 
-from shmstore import ObjectStore
+from shmstore import BroadcastQueue, ObjectStore
 from shmstore._serde_decode import decode
 from shmstore._store_layout import U64
 from shmstore.handle import key_digest
@@ -122,6 +123,30 @@ def main() -> None:
                   "read count, context manager, calls")
         finally:
             reader.close()
+    queue_round_trip(r)
+
+
+def queue_round_trip(repeats: int) -> None:
+    """put and get of a small message (a float) on a queue, one process: batches of puts, then
+    the same number of gets, so neither side waits."""
+    name = f"shmstore-percall-q-{os.getpid()}"
+    with BroadcastQueue.create(name, 1, slot_bytes=256, n_slots=256) as q:
+        reader = BroadcastQueue.attach(name, 0)
+        try:
+            put_s, get_s = [], []
+            for _ in range(10 + repeats * 10):
+                t0 = time.perf_counter()
+                for _ in range(BATCH):
+                    q.put(1.5)
+                t1 = time.perf_counter()
+                for _ in range(BATCH):
+                    reader.get()
+                put_s.append((t1 - t0) / BATCH)
+                get_s.append((time.perf_counter() - t1) / BATCH)
+        finally:
+            reader.close()
+    print(f"\nqueue, a float message: put {statistics.median(put_s) * 1e6:.2f} us, "
+          f"get {statistics.median(get_s) * 1e6:.2f} us per call")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where a sleeping reader's wake-up time goes: shmstore's queue against a bare semaphore.
 
-    OMP_NUM_THREADS=1 python bench/bench_wakeup.py [--messages N] [--gap-ms G]
+    OMP_NUM_THREADS=1 python bench/bench_wakeup.py [--messages N] [--gap-ms G] [--warm-ms W]
 
 1. The cost of one `put` (no reader attached) right after the writer was idle for 0, 1 and
    20 ms: the same Python code on a CPU that went idle.
@@ -9,7 +9,8 @@
    returned (the rest is the reader's own code after waking).
 3. The floor: a bare POSIX semaphore posted by one Python process and waited on by another,
    same pacing.
-Medians and 99th percentiles over N messages.
+Medians and 99th percentiles over N messages. With --warm-ms W the writer busy-loops for W ms
+before each message of 2 and 3 (its CPU is awake and clocked up when it sends).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from shmstore import BroadcastQueue
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e6
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def put_after_idle() -> dict[float, float]:
@@ -86,8 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200)
     parser.add_argument("--gap-ms", type=float, default=20.0)
+    parser.add_argument("--warm-ms", type=float, default=0.0)
     args = parser.parse_args()
-    n, gap = args.messages, args.gap_ms / 1e3
+    n, gap, warm = args.messages, args.gap_ms / 1e3, args.warm_ms / 1e3
     ctx = mp.get_context("spawn")
 
     costs = put_after_idle()
@@ -103,6 +111,7 @@ def main() -> None:
         time.sleep(0.5)
         for _ in range(n):
             time.sleep(gap)
+            busy(warm)
             q.put(time.perf_counter())
         rows = out.get(timeout=120)
     finally:
@@ -110,7 +119,8 @@ def main() -> None:
         q.close()
     total = [done - sent for sent, _, done in rows]
     to_wake = [woke - sent for sent, woke, _ in rows if woke > sent]
-    print(f"queue, one message per {args.gap_ms:g} ms: put to get p50 {pct(total, 0.5):.0f} us, "
+    print(f"queue, one message per {args.gap_ms:g} ms (writer busy {args.warm_ms:g} ms before "
+          f"each): put to get p50 {pct(total, 0.5):.0f} us, "
           f"p99 {pct(total, 0.99):.0f} us; of which until the reader's wait returned p50 "
           f"{pct(to_wake, 0.5):.0f} us")
 
@@ -125,6 +135,7 @@ def main() -> None:
         sent = []
         for _ in range(n):
             time.sleep(gap)
+            busy(warm)
             sent.append(time.perf_counter())
             sem.release()
         got = out.get(timeout=120)

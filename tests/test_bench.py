@@ -77,6 +77,7 @@ def test_bench_percall_breaks_every_call_down() -> None:
     for call in ("put of 4096 B", "get of 4096 B (owned copy)", "view of 4096 B (zero copy)"):
         assert call in out
     assert out.count("rest: ") == 3 and "key digest" in out and "decode, zero copy" in out
+    assert "queue, a float message: put" in out
 
 
 @pytest.mark.slow
