@@ -36,11 +36,13 @@ def test_freq_counts_to_three_and_a_copy_takes_one_off() -> None:
 
 def test_freq_ghosts_give_returning_keys_a_head_start_and_forget_the_oldest() -> None:
     p = FreqPolicy()
-    for i in range(10):
+    for i in range(20):
         p.evicted(f"k{i}", cached=3)
-    assert p.ghosts == 4  # as many as cached, plus one
+    assert p.ghosts == 13  # 4x as many as cached, plus one
     assert p.admitted("k0") == 0  # forgotten
-    assert p.admitted("k9") == 2 and p.admitted("k9") == 0  # remembered once
+    assert p.admitted("k6") == 0  # forgotten
+    assert p.admitted("k7") == 2 and p.admitted("k7") == 0  # the oldest remembered, once
+    assert p.admitted("k19") == 2
     p.clear()
     assert p.ghosts == 0 and p.admitted("k8") == 0
     with pytest.raises(InvalidArgument, match="choose one of"):
