@@ -18,11 +18,14 @@ process tree and the same run:
                   memory once per item and the readers map it
   shm-per-item    a fresh POSIX shared-memory segment per item: create, write, send its name,
                   each reader attaches and copies, the writer unlinks when all are done
+  vllm shm        vLLM's own: SingleWriterShmObjectStorage (its ring, msgpack serde) plus its
+                  MessageQueue carrying the signed handle, as vLLM's shm cache uses them
+                  (bench/vllm_baseline.py; skipped when vllm is not installed)
   memcpy          the floor: one plain copy of S bytes (np.copyto into warm memory)
 
 Queue alone: small-message latency (p50, p99) paced (one message per millisecond, and one per
-20 ms so readers fall asleep) and messages/s flooded, with 1, 2 and 4 readers; and the CPU an
-idle reader burns.
+20 ms so readers fall asleep) and messages/s flooded, with 1, 2 and 4 readers, for shmstore's
+BroadcastQueue and vLLM's MessageQueue; and the CPU an idle shmstore reader burns.
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ import time
 from typing import Any
 
 import numpy as np
+import vllm_baseline
 
 from shmstore import Blank, BroadcastQueue, Channel
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB]
 READERS = [1, 2, 4]
-METHODS = ["shmstore", "shm reserve", "pipe", "mp.Queue", "torch.mp.Queue", "shm-per-item"]
+METHODS = ["shmstore", "shm reserve", "pipe", "mp.Queue", "torch.mp.Queue", "shm-per-item",
+           "vllm shm"]
 CTX = mp.get_context("spawn")
 
 
@@ -67,6 +72,14 @@ def reader_main(method: str, name: str, index: int, n_items: int, inbox: Any, re
                 arr = value["x"] if method == "shm reserve" else value
                 checksum += float(arr[len(arr) // 2])
         ch.close()
+    elif method == "vllm shm":
+        reader = vllm_baseline.Reader(inbox, index)
+        report.put(("ready", index))
+        reader.wait_until_ready()
+        for _ in range(n_items):
+            arr = reader.recv(timeout=120)
+            checksum += float(arr[len(arr) // 2])
+        reader.close()
     elif method == "shm-per-item":
         import mmap
 
@@ -105,6 +118,9 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
         writer = Channel.create(name, n_readers=n_readers, capacity_bytes=max(64 * MIB, 8 * size),
                                 inline_threshold=4 * KIB, n_slots=64)
         inboxes = [None] * n_readers
+    elif method == "vllm shm":
+        writer = vllm_baseline.Writer(n_readers, max(64 * MIB, 8 * size), size + MIB, CTX.Lock())
+        inboxes = [writer.handles()] * n_readers
     elif method == "pipe":
         for _ in range(n_readers):
             recv_end, send_end = CTX.Pipe(duplex=False)
@@ -125,7 +141,9 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
         for _ in range(n_readers):
             kind, _ = report.get(timeout=120)
             assert kind == "ready"
-        if writer is not None:
+        if method == "vllm shm":
+            writer.wait_until_ready()
+        elif writer is not None:
             writer.wait_for_readers(timeout=60)
         expected = 0.0
         pending: dict[str, int] = {}
@@ -137,7 +155,7 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
                 start = time.monotonic()
             src = sources[i % len(sources)]
             expected += float(src[count // 2])
-            if method == "shmstore":
+            if method in ("shmstore", "vllm shm"):
                 writer.send(src, timeout=120)
             elif method == "shm reserve":  # the producer writes its output into the ring
                 with writer.reserve({"x": Blank((count,), "float32")}, timeout=120) as res:
@@ -215,9 +233,13 @@ def memcpy_floor(size: int, repeats: int) -> float:
 
 # -- queue alone --------------------------------------------------------------------------------
 
-def latency_reader(name: str, index: int, n: int, report: Any) -> None:
-    q = BroadcastQueue.attach(name, reader=index)
+def latency_reader(name: Any, index: int, n: int, report: Any) -> None:
+    """`name`: a shmstore queue's name, or the handles of a vllm_baseline.Writer."""
+    q: Any = (BroadcastQueue.attach(name, reader=index) if isinstance(name, str)
+              else vllm_baseline.Reader(name, index))
     report.put(("ready", index))
+    if not isinstance(name, str):
+        q.wait_until_ready()
     lat = []
     for _ in range(n):
         sent = q.get(timeout=120)
@@ -226,9 +248,12 @@ def latency_reader(name: str, index: int, n: int, report: Any) -> None:
     q.close()
 
 
-def idle_reader(name: str, index: int, seconds: float, report: Any) -> None:
-    q = BroadcastQueue.attach(name, reader=index)
+def idle_reader(name: Any, index: int, seconds: float, report: Any) -> None:
+    q: Any = (BroadcastQueue.attach(name, reader=index) if isinstance(name, str)
+              else vllm_baseline.Reader(name, index))
     report.put(("ready", index))
+    if not isinstance(name, str):
+        q.wait_until_ready()
     cpu0, wall0 = time.process_time(), time.monotonic()
     try:
         q.get(timeout=seconds)
@@ -238,20 +263,33 @@ def idle_reader(name: str, index: int, seconds: float, report: Any) -> None:
     q.close()
 
 
-def run_queue(n_readers: int, n: int, interval_s: float | None) -> dict[str, float]:
+def run_queue(n_readers: int, n: int, interval_s: float | None, vllm: bool = False
+              ) -> dict[str, float]:
+    """Small-message latency and rate through shmstore's BroadcastQueue, or vLLM's
+    MessageQueue (`vllm`), in the same way."""
     name = f"shmstore-bench-q-{os.getpid()}"
     report = CTX.Queue()
-    with BroadcastQueue.create(name, n_readers=n_readers, slot_bytes=256, n_slots=256) as q:
-        procs = [CTX.Process(target=latency_reader, args=(name, r, n, report))
+    q: Any
+    if vllm:
+        q = vllm_baseline.Writer(n_readers)
+        where: Any = q.handles()
+    else:
+        q = BroadcastQueue.create(name, n_readers=n_readers, slot_bytes=256, n_slots=256)
+        where = name
+    try:
+        procs = [CTX.Process(target=latency_reader, args=(where, r, n, report))
                  for r in range(n_readers)]
         for p in procs:
             p.start()
         for _ in range(n_readers):
             report.get(timeout=120)
-        q.wait_for_readers(timeout=60)
+        if vllm:
+            q.wait_until_ready()
+        else:
+            q.wait_for_readers(timeout=60)
         start = time.monotonic()
         for _ in range(n):
-            q.put(time.monotonic(), timeout=60)
+            q.put(time.monotonic())
             if interval_s:
                 target = time.monotonic() + interval_s
                 while time.monotonic() < target:
@@ -259,21 +297,31 @@ def run_queue(n_readers: int, n: int, interval_s: float | None) -> dict[str, flo
         results = [report.get(timeout=120) for _ in range(n_readers)]
         for p in procs:
             p.join(timeout=60)
+    finally:
+        q.close()
     lat = sorted(x for r in results for x in r[3])
     elapsed = max(r[2] for r in results) - start
     return {"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
             "msgs_per_s": n / elapsed}
 
 
-def run_idle(seconds: float) -> float:
+def run_idle(seconds: float, vllm: bool = False) -> float:
+    """The share of a core one reader uses while it waits `seconds` for a message."""
     name = f"shmstore-bench-idle-{os.getpid()}"
     report = CTX.Queue()
-    with BroadcastQueue.create(name, n_readers=1, slot_bytes=256, n_slots=8):
-        p = CTX.Process(target=idle_reader, args=(name, 0, seconds, report))
+    q: Any = (vllm_baseline.Writer(1) if vllm
+              else BroadcastQueue.create(name, n_readers=1, slot_bytes=256, n_slots=8))
+    try:
+        p = CTX.Process(target=idle_reader, args=(q.handles() if vllm else name, 0, seconds,
+                                                  report))
         p.start()
         report.get(timeout=120)
+        if vllm:
+            q.wait_until_ready()
         _, share = report.get(timeout=seconds + 60)
         p.join(timeout=60)
+    finally:
+        q.close()
     return float(share)
 
 
@@ -286,24 +334,28 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES, help="bytes per tensor")
     parser.add_argument("--readers", type=int, nargs="*", default=READERS)
     parser.add_argument("--no-queue", action="store_true", help="skip the queue-alone part")
+    parser.add_argument("--methods", nargs="*", default=METHODS, choices=METHODS,
+                        help="transports to run (shmstore always runs: the ratios need it)")
     args = parser.parse_args()
+    methods = ["shmstore"] + [m for m in METHODS if m in args.methods and m != "shmstore"
+                              and (m != "vllm shm" or vllm_baseline.available())]
     out: dict[str, Any] = {"omp_num_threads": os.environ["OMP_NUM_THREADS"], "transfer": [],
                            "queue": [], "idle_reader_cpu_share": None}
     print("seconds per item, end to end (ratio: baseline / shmstore)")
-    print(f"{'size':>8} {'R':>2} {'memcpy':>9} " + " ".join(f"{m:>16}" for m in METHODS))
+    print(f"{'size':>8} {'R':>2} {'memcpy':>9} " + " ".join(f"{m:>16}" for m in methods))
     for size in args.sizes:
         floor = memcpy_floor(size, 20)
         for n_readers in args.readers:
             n_items = items_for(size, args.quick)
             row: dict[str, Any] = {"size_bytes": size, "n_readers": n_readers, "items": n_items,
                                    "memcpy_s": floor}
-            for method in METHODS:
+            for method in methods:
                 row[f"{method}_s"] = run_transfer(method, size, n_readers, n_items)
             out["transfer"].append(row)
             ours = row["shmstore_s"]
             label = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
             cells = [f"{ours * 1e3:9.3f} ms" + " " * 4]
-            cells += [f"{row[f'{m}_s'] * 1e3:8.3f} ({row[f'{m}_s'] / ours:5.1f}x)" for m in METHODS[1:]]
+            cells += [f"{row[f'{m}_s'] * 1e3:8.3f} ({row[f'{m}_s'] / ours:5.1f}x)" for m in methods[1:]]
             print(f"{label:>8} {n_readers:>2} {floor * 1e3:6.3f} ms " + " ".join(f"{c:>16}" for c in cells)
                   + f"   shmstore/memcpy {ours / floor:.2f}")
     if args.no_queue:
@@ -312,18 +364,28 @@ def main() -> None:
     n_flood = 20_000 if args.quick else 100_000
     n_paced = 500 if args.quick else 2000
     print("\nqueue alone: small messages (a float timestamp)")
-    print(f"{'R':>2} {'paced 1 ms p50/p99 us':>22} {'paced 20 ms p50/p99 us':>23} {'flood msgs/s':>13}")
+    print(f"{'queue':>13} {'R':>2} {'paced 1 ms p50/p99 us':>22} {'paced 20 ms p50/p99 us':>23} "
+          f"{'flood msgs/s':>13}")
+    queues = ["shmstore"] + (["vllm"] if "vllm shm" in methods else [])
     for n_readers in args.readers:
-        paced = run_queue(n_readers, n_paced, 0.001)
-        asleep = run_queue(n_readers, max(50, n_paced // 20), 0.02)
-        flood = run_queue(n_readers, n_flood, None)
-        out["queue"].append({"n_readers": n_readers, "paced_1ms": paced, "paced_20ms": asleep,
-                             "flood": flood})
-        print(f"{n_readers:>2} {paced['p50_us']:10.1f} / {paced['p99_us']:8.1f} "
-              f"{asleep['p50_us']:11.1f} / {asleep['p99_us']:8.1f} {flood['msgs_per_s']:13,.0f}")
+        for queue in queues:
+            vllm = queue == "vllm"
+            paced = run_queue(n_readers, n_paced, 0.001, vllm)
+            asleep = run_queue(n_readers, max(50, n_paced // 20), 0.02, vllm)
+            flood = run_queue(n_readers, n_flood, None, vllm)
+            out["queue"].append({"queue": queue, "n_readers": n_readers, "paced_1ms": paced,
+                                 "paced_20ms": asleep, "flood": flood})
+            label = "MessageQueue" if vllm else "BroadcastQueue"
+            print(f"{label:>13} {n_readers:>2} {paced['p50_us']:10.1f} / {paced['p99_us']:8.1f} "
+                  f"{asleep['p50_us']:11.1f} / {asleep['p99_us']:8.1f} "
+                  f"{flood['msgs_per_s']:13,.0f}", flush=True)
     share = run_idle(3.0)
     out["idle_reader_cpu_share"] = share
     print(f"\nidle reader (blocked in get for 3 s): {share * 100:.2f}% of a core")
+    if "vllm" in queues:
+        out["vllm_idle_reader_cpu_share"] = vllm_share = run_idle(3.0, vllm=True)
+        print(f"idle MessageQueue reader (blocked in dequeue for 3 s): {vllm_share * 100:.2f}% "
+              "of a core")
     _write(out, args.json)
 
 

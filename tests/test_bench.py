@@ -36,6 +36,17 @@ def test_bench_pipeline_runs(tmp_path: Path) -> None:
                       "--no-queue", tmp_path=tmp_path)
     (row,) = data["transfer"]
     assert row["n_readers"] == 1 and row["shmstore_s"] > 0 and row["shm-per-item_s"] > 0
+    assert row["vllm shm_s"] > 0  # vLLM's own storage and MessageQueue (installed by setup)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_pipeline_queue_part_runs_beside_vllms_message_queue(tmp_path: Path) -> None:
+    data = run_script("bench_pipeline.py", "--quick", "--sizes", "--readers", "1",
+                      tmp_path=tmp_path)
+    assert [(q["queue"], q["n_readers"]) for q in data["queue"]] == [("shmstore", 1), ("vllm", 1)]
+    assert all(q["flood"]["msgs_per_s"] > 0 for q in data["queue"])
+    assert 0 <= data["idle_reader_cpu_share"] and 0 <= data["vllm_idle_reader_cpu_share"]
 
 
 @pytest.mark.slow
