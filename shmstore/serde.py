@@ -75,9 +75,9 @@ __all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "materializ
 _TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
 _INT_MIN = -(1 << 63)
 _INT_LIMIT = 1 << 64
+_DTYPE_NAMES = {dtype: name for name, dtype in NUMPY_DTYPES.items()}  # dtype -> its .str
 # Taken as they are. msgpack itself refuses an int outside 64 bits (OverflowError) and a str
 # UTF-8 cannot encode; encode() then finds the value's path for the error.
-_DTYPE_NAMES = {dtype: name for name, dtype in NUMPY_DTYPES.items()}  # dtype -> its .str
 _LEAVES = frozenset({type(None), bool, int, float, str, bytes})
 
 
