@@ -22,6 +22,8 @@ process tree and the same run:
                   MessageQueue carrying the signed handle, as vLLM's shm cache uses them
                   (bench/vllm_baseline.py; skipped when vllm is not installed)
   memcpy          the floor: one plain copy of S bytes (np.copyto into warm memory)
+  fill            printed at the end of each row: one fill of S bytes of that memory, the
+                  producer's own write in `shm reserve` (its floor)
 
 Queue alone: small-message latency (p50, p99) paced (one message per millisecond, and one per
 20 ms so readers fall asleep) and messages/s flooded, with 1, 2 and 4 readers, for shmstore's
@@ -217,7 +219,9 @@ def _collect(report: Any, pending: dict[str, int], done_times: list[float],
         checksums.append(msg[3])
 
 
-def memcpy_floor(size: int, repeats: int) -> float:
+def memcpy_floor(size: int, repeats: int, fill: bool = False) -> float:
+    """One np.copyto of `size` bytes into warm memory of the ring's size, at rotating offsets;
+    with `fill`, one fill of those bytes instead (what `shm reserve`'s producer writes)."""
     src = np.ones(size // 4, dtype=np.float32)
     footprint = np.empty(max(64 * MIB, 8 * size) // 4, dtype=np.float32)
     footprint.fill(0.0)
@@ -226,7 +230,10 @@ def memcpy_floor(size: int, repeats: int) -> float:
     for i in range(repeats + 1):
         start = (i % slots) * len(src)
         t0 = time.perf_counter()
-        np.copyto(footprint[start:start + len(src)], src)
+        if fill:
+            footprint[start:start + len(src)].fill(float(i))
+        else:
+            np.copyto(footprint[start:start + len(src)], src)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -345,10 +352,11 @@ def main() -> None:
     print(f"{'size':>8} {'R':>2} {'memcpy':>9} " + " ".join(f"{m:>16}" for m in methods))
     for size in args.sizes:
         floor = memcpy_floor(size, 20)
+        fill_floor = memcpy_floor(size, 20, fill=True)
         for n_readers in args.readers:
             n_items = items_for(size, args.quick)
             row: dict[str, Any] = {"size_bytes": size, "n_readers": n_readers, "items": n_items,
-                                   "memcpy_s": floor}
+                                   "memcpy_s": floor, "fill_s": fill_floor}
             for method in methods:
                 row[f"{method}_s"] = run_transfer(method, size, n_readers, n_items)
             out["transfer"].append(row)
@@ -357,7 +365,7 @@ def main() -> None:
             cells = [f"{ours * 1e3:9.3f} ms" + " " * 4]
             cells += [f"{row[f'{m}_s'] * 1e3:8.3f} ({row[f'{m}_s'] / ours:5.1f}x)" for m in methods[1:]]
             print(f"{label:>8} {n_readers:>2} {floor * 1e3:6.3f} ms " + " ".join(f"{c:>16}" for c in cells)
-                  + f"   shmstore/memcpy {ours / floor:.2f}")
+                  + f"   shmstore/memcpy {ours / floor:.2f}   fill {fill_floor * 1e3:.3f} ms")
     if args.no_queue:
         _write(out, args.json)
         return
