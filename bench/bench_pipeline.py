@@ -23,7 +23,8 @@ process tree and the same run:
                   (bench/vllm_baseline.py; skipped when vllm is not installed)
   memcpy          the floor: one plain copy of S bytes (np.copyto into warm memory)
   fill            printed at the end of each row: one fill of S bytes of that memory, the
-                  producer's own write in `shm reserve` (its floor)
+                  producer's own write in `shm reserve` (its floor); below the row, the
+                  writer's side of `shm reserve` split into entering, the fill and leaving
 
 Queue alone: small-message latency (p50, p99) paced (one message per millisecond, and one per
 20 ms so readers fall asleep) and messages/s flooded, with 1, 2 and 4 readers, for shmstore's
@@ -54,6 +55,8 @@ READERS = [1, 2, 4]
 METHODS = ["shmstore", "shm reserve", "pipe", "mp.Queue", "torch.mp.Queue", "shm-per-item",
            "vllm shm"]
 CTX = mp.get_context("spawn")
+# The writer's side of each timed `shm reserve` item: (entering reserve, the fill, leaving it).
+RESERVE_PHASES: list[tuple[float, float, float]] = []
 
 
 def items_for(size: int, quick: bool) -> int:
@@ -110,6 +113,7 @@ def reader_main(method: str, name: str, index: int, n_items: int, inbox: Any, re
 def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
     """Seconds per item, end to end, for one transport; warm-up included but not timed."""
     count = size // 4
+    RESERVE_PHASES.clear()
     sources = [np.full(count, float(i), dtype=np.float32) for i in range(4)]
     name = f"shmstore-bench-pipe-{os.getpid()}"
     report = CTX.Queue()
@@ -160,8 +164,13 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
             if method in ("shmstore", "vllm shm"):
                 writer.send(src, timeout=120)
             elif method == "shm reserve":  # the producer writes its output into the ring
+                t0 = time.perf_counter()
                 with writer.reserve({"x": Blank((count,), "float32")}, timeout=120) as res:
+                    t1 = time.perf_counter()
                     res.arrays["x"].fill(float(i % len(sources)))
+                    t2 = time.perf_counter()
+                if i >= n_items:
+                    RESERVE_PHASES.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
             elif method == "pipe":
                 for s in senders:
                     s.send(src)
@@ -359,6 +368,8 @@ def main() -> None:
                                    "memcpy_s": floor, "fill_s": fill_floor}
             for method in methods:
                 row[f"{method}_s"] = run_transfer(method, size, n_readers, n_items)
+                if method == "shm reserve":
+                    row["reserve_phases_s"] = [statistics.median(p) for p in zip(*RESERVE_PHASES)]
             out["transfer"].append(row)
             ours = row["shmstore_s"]
             label = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
@@ -366,6 +377,10 @@ def main() -> None:
             cells += [f"{row[f'{m}_s'] * 1e3:8.3f} ({row[f'{m}_s'] / ours:5.1f}x)" for m in methods[1:]]
             print(f"{label:>8} {n_readers:>2} {floor * 1e3:6.3f} ms " + " ".join(f"{c:>16}" for c in cells)
                   + f"   shmstore/memcpy {ours / floor:.2f}   fill {fill_floor * 1e3:.3f} ms")
+            if "reserve_phases_s" in row:
+                enter, fill, leave = (t * 1e3 for t in row["reserve_phases_s"])
+                print(f"{'':>13} shm reserve, the writer's side (medians): entering {enter:.3f} ms,"
+                      f" the fill {fill:.3f} ms, leaving (commit, send) {leave:.3f} ms")
     if args.no_queue:
         _write(out, args.json)
         return
