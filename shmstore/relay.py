@@ -152,6 +152,17 @@ def _seconds(value: Any, argument: str) -> float:
     return float(seconds)
 
 
+def _check_curve(keys: CurveKeys | None, keys_arg: str, partner: Any, partner_arg: str,
+                 partner_what: str) -> None:
+    """CurveZMQ needs this side's key pair (with its secret) and `partner` together, or neither."""
+    if (keys is None) != (partner is None):
+        raise InvalidArgument(f"CurveZMQ needs both {keys_arg} and {partner_arg} ({partner_what}),"
+                              " or neither", partner_arg, partner)
+    if keys is not None and keys.secret is None:
+        raise InvalidArgument(f"{keys_arg} needs the secret key (NAME.key_secret)", keys_arg,
+                              keys.public)
+
+
 def check_endpoint(endpoint: str, allow_wildcard: bool) -> str:
     """Return `endpoint` if it is tcp://HOST:PORT (or ipc://PATH) and, unless allowed, names
     one address rather than every interface."""
@@ -329,13 +340,8 @@ class Publisher(_Peer):
         self.window = int_arg(window, "window", 1, 1 << 16)
         self.peer_timeout_s = _seconds(peer_timeout_s, "peer_timeout_s")
         self.heartbeat_s = _seconds(heartbeat_s, "heartbeat_s")
-        if (server_keys is None) != (allowed_clients is None):
-            raise InvalidArgument("CurveZMQ needs both server_keys and allowed_clients (the "
-                                  "public keys of the relays that may connect), or neither",
-                                  "allowed_clients", allowed_clients)
-        if server_keys is not None and server_keys.secret is None:
-            raise InvalidArgument("server_keys needs the secret key (NAME.key_secret)",
-                                  "server_keys", server_keys.public)
+        _check_curve(server_keys, "server_keys", allowed_clients, "allowed_clients",
+                     "the public keys of the relays that may connect")
         super().__init__()
         try:
             self._reader = Channel.attach(channel, reader)
@@ -617,13 +623,8 @@ class Relay(_Peer):
         mode: int = 0o600,
     ) -> None:
         self.connect = check_endpoint(connect, allow_wildcard=False)
-        if (client_keys is None) != (server_key is None):
-            raise InvalidArgument("CurveZMQ needs both client_keys (this relay's pair) and "
-                                  "server_key (the Publisher's public key), or neither",
-                                  "server_key", server_key)
-        if client_keys is not None and client_keys.secret is None:
-            raise InvalidArgument("client_keys needs the secret key (NAME.key_secret)",
-                                  "client_keys", client_keys.public)
+        _check_curve(client_keys, "client_keys", server_key, "server_key",
+                     "the Publisher's public key")
         self.peer_timeout_s = _seconds(peer_timeout_s, "peer_timeout_s")
         self.heartbeat_s = _seconds(heartbeat_s, "heartbeat_s")
         self.writer_timeout_s = (None if writer_timeout_s is None

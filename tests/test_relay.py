@@ -333,6 +333,15 @@ def test_publisher_arguments_are_checked() -> None:
     with Channel.create(name, 1, 1 << 20):
         with pytest.raises(InvalidArgument, match="both server_keys and allowed_clients"):
             Publisher(name, 0, "tcp://127.0.0.1:*", allowed_clients=[b"x" * 40])
+        with pytest.raises(InvalidArgument, match="server_keys needs the secret key"):
+            Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=CurveKeys(b"p" * 40),
+                      allowed_clients=[b"x" * 40])
+    with pytest.raises(InvalidArgument, match="both client_keys and server_key"):
+        Relay("tcp://127.0.0.1:1", new_name("args"), 1, server_key=b"p" * 40)
+    with pytest.raises(InvalidArgument, match="client_keys needs the secret key"):
+        Relay("tcp://127.0.0.1:1", new_name("args"), 1, client_keys=CurveKeys(b"c" * 40),
+              server_key=b"p" * 40)
+    with Channel.create(name, 1, 1 << 20):
         with pytest.raises(InvalidArgument, match="window"):
             Publisher(name, 0, "tcp://127.0.0.1:*", window=0)
         with pytest.raises(InvalidArgument, match="peer_timeout_s"):
