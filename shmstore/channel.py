@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,10 +286,11 @@ class ChannelReader(_Pair):
         if not keep:
             self._done(handout)
 
-    def body(self, handle: Handle) -> Any:
+    def body(self, handle: Handle) -> AbstractContextManager[StoredBody]:
         """Read a kept object's body again (see recv_raw): a context manager yielding a
         StoredBody, valid inside the block."""
-        return self._store.body(handle, count=False)
+        store: StoreReader = self._store
+        return store.body(handle, count=False)
 
     def release_through(self, handout: int) -> None:
         """Give up kept objects handed out up to number `handout` (see recv_raw)."""

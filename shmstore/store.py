@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,19 +222,16 @@ class StoreReader(StoreBase):
         finally:
             guard.leave()
 
-    @contextmanager
-    def view(self, handle: Handle) -> Iterator[Any]:
+    def view(self, handle: Handle) -> AbstractContextManager[Any]:
         """Yield the object with arrays/tensors pointing into shared memory; count the read on
         exit.
 
         The bytes cannot change while the block runs (not even through clear()); once it exits
         the writer may reuse them. Keep what you need with `.copy()` / `.clone()`, or use get().
         """
-        with self._pinned(handle, lambda: self._decode(handle, copy=False)) as obj:
-            yield obj
+        return self._pinned(handle, lambda: self._decode(handle, copy=False))
 
-    @contextmanager
-    def body(self, handle: Handle, *, count: bool = True) -> Iterator[StoredBody]:
+    def body(self, handle: Handle, *, count: bool = True) -> AbstractContextManager[StoredBody]:
         """Yield the object's serialized body (checked: it decodes) as a read-only view into
         shared memory, with the object's identity; count the read on exit unless `count` is
         False (a reader that gives hand-outs up with finished_through). For forwarding an
@@ -246,8 +243,7 @@ class StoreReader(StoreBase):
             self._decode(handle, copy=False, located=located)
             return StoredBody(handle.key_digest + U64.pack(origin), data)
 
-        with self._pinned(handle, read, count) as stored:
-            yield stored
+        return self._pinned(handle, read, count)
 
     @contextmanager
     def _pinned(self, handle: Handle, read: Callable[[], Any], count: bool = True
