@@ -36,6 +36,7 @@ class Entry:
     uses: int = 0  # the policy's use count (hits since written, as the policy counts them)
     live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
     reserved: bool = False  # being filled by an open reserve(): neither live nor reclaimable
+    origin: int = 0  # seq of the put that wrote these bytes (the header's origin_seq)
 
 
 class StoreSpace(StoreBase):

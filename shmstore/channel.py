@@ -169,7 +169,7 @@ class ChannelWriter(_Pair):
             if key is None:
                 key = f"#channel-{next(self._anonymous)}"
             handle = store.put_encoded(key, enc, deadline.remaining())
-        self._publish_handle(handle, deadline)
+        self._publish(handle, deadline)
 
     @contextmanager
     def reserve(self, template: Any, key: str | bytes | None = None,
@@ -184,9 +184,17 @@ class ChannelWriter(_Pair):
         with store.reserve(key, template, deadline.remaining()) as reservation:
             yield reservation
         assert reservation.handle is not None  # set by a clean exit
-        self._publish_handle(reservation.handle, deadline)
+        self._publish(reservation.handle, deadline)
 
-    def _publish_handle(self, handle: Handle, deadline: Deadline) -> None:
+    def publish(self, handle: Handle, timeout: float | None = None) -> None:
+        """Send a hand-out just made on `store` (put, get_cached) to every reader, as send()
+        does; for a writer that uses the store directly too. Call it before the next hand-out
+        (readers that take messages in order rely on the numbers rising). If it raises (no
+        queue space in time: Timeout), the hand-out is given back.
+        """
+        self._publish(handle, Deadline(timeout))
+
+    def _publish(self, handle: Handle, deadline: Deadline) -> None:
         store: StoreWriter = self._store
         try:
             self._queue.publish(encode((handle, store.handout_seq)), deadline, tag=TAG_HANDLE)
@@ -285,6 +293,31 @@ class ChannelReader(_Pair):
             raise
         if not keep:
             self._done(handout)
+
+    def recv_handle(self, timeout: float | None = None) -> Handle:
+        """Return the next stored message's Handle without reading it: the object stays owed
+        to this reader until `get(handle)` or `discard(handle)`, in any order. For a reader that
+        matches objects to requests arriving another way; never mix with recv, recv_view or
+        recv_raw on one reader (those release in order).
+
+        Raises:
+            CorruptObject: the next message is a value sent inline (this reader only takes
+                stored ones: send with a store-only writer, e.g. `publish`).
+        """
+        msg, handout = self._next(Deadline(timeout))
+        if not handout:
+            raise CorruptObject(f"channel {self._queue.name!r} sent a value inline to a reader "
+                                "that takes only stored objects (recv_handle); send it "
+                                "through the store (ChannelWriter.publish)")
+        return msg  # type: ignore[no-any-return]
+
+    def get(self, handle: Handle) -> Any:
+        """An owned copy of an object received with recv_handle (StoreReader.get)."""
+        return self._store.get(handle)
+
+    def discard(self, handle: Handle) -> None:
+        """Give up an object received with recv_handle unread (StoreReader.discard)."""
+        self._store.discard(handle)
 
     def body(self, handle: Handle) -> AbstractContextManager[StoredBody]:
         """Read a kept object's body again (see recv_raw): a context manager yielding a

@@ -823,13 +823,20 @@ class Relay(_Peer):
 
     def _send_local(self, value: Any, object_id: bytes | None) -> None:
         """Hand a value (or the cached object `object_id`) to the local readers; while they are
-        slow, keep the Publisher told that this node lives."""
+        slow, keep the Publisher told that this node lives. An object stored on the writer's
+        node is stored here too, whatever its size: the node holds it for the next REF, and
+        its readers get a handle, as there."""
         channel = self.channel
         store = channel.store
         objects, by_handle = len(store), channel.sent_by_handle
         while True:
             try:
-                channel.send(value, key=object_id, timeout=self.heartbeat_s)
+                if object_id is None:
+                    channel.send(value, timeout=self.heartbeat_s)
+                else:
+                    handle = (store.get_cached(object_id) if store.is_cached(object_id)
+                              else store.put(object_id, value, timeout=self.heartbeat_s))
+                    channel.publish(handle, timeout=self.heartbeat_s)
                 break
             except (Timeout, StoreFull):
                 if self._stop.is_set():

@@ -196,6 +196,14 @@ class StoreWriter(StoreSpace):
         entry = self._lookup(key)
         return None if entry is None else entry.handle
 
+    def object_id(self, key: str | bytes) -> bytes | None:
+        """The id of the cached object of `key` (key digest + origin seq, 24 bytes, as
+        StoredBody.object_id), None if it is not cached: the key a relay node stores these
+        bytes under. No side effect."""
+        self._guard_check()
+        entry = self._lookup(key)
+        return None if entry is None else entry.handle.key_digest + U64.pack(entry.origin)
+
     def object_bytes(self, key: str | bytes) -> int:
         """Serialized size of the cached object of `key`; KeyNotCached if it is not cached."""
         self._guard_check()
@@ -344,7 +352,7 @@ class StoreWriter(StoreSpace):
         OBJECT_HEADER.pack_into(payload, 0, digest, enc.nbytes, crc, chunk.seq)
         payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
         entry = Entry(key, Handle(chunk.address, chunk.seq, digest, self.epoch), chunk,
-                       enc.nbytes, crc, live=False)
+                       enc.nbytes, crc, live=False, origin=chunk.seq)
         chunk.owner = entry  # not live: if we stop before _commit, the chunk is an orphan
         return entry
 

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from tests._names import Channel, Closed, Timeout
+from tests._names import Channel, Closed, CorruptObject, StoreFull, Timeout
 
 from .workers import channel_reader_main
 
@@ -51,6 +51,35 @@ def test_cached_key_sends_the_handle_again_without_copying(channel) -> None:
     with r.recv_view() as view:
         assert np.array_equal(view, big) and not view.flags.writeable
     assert w.store.stats().reader_lag == (0,)
+
+
+def test_publish_and_recv_handle_take_objects_out_of_order(name: str) -> None:
+    """A writer that uses the store itself publishes its hand-outs; a reader takes their
+    handles unread and reads them in another order. Each object stays owed to the reader until
+    it is read or discarded, and the writer's object_id names the bytes across copies."""
+    w = Channel.create(name, n_readers=1, capacity_bytes=1 << 20, inline_threshold=1024)
+    r = Channel.attach(name, reader=0)
+    try:
+        store = w.store
+        handles = []
+        for i in range(3):
+            handles.append(store.put(f"k{i}", value(i, 300_000)))
+            w.publish(handles[-1], timeout=5)
+        assert store.object_id("k0") == handles[0].key_digest + handles[0].seq.to_bytes(8, "little")
+        assert store.object_id("missing") is None
+        got = [r.recv_handle(timeout=5) for _ in range(3)]
+        assert got == handles
+        with pytest.raises(StoreFull):
+            store.put("k3", value(3, 400_000))  # all three owed: nothing can be reclaimed
+        assert r.get(got[2])["i"] == 2 and r.get(got[0])["i"] == 0
+        r.discard(got[1])
+        store.put("k3", value(3, 400_000), timeout=5)  # now they can be
+        w.send({"small": 1})
+        with pytest.raises(CorruptObject, match="inline"):
+            r.recv_handle(timeout=5)
+    finally:
+        r.close()
+        w.close()
 
 
 def test_recv_view_of_an_inline_value(channel) -> None:

@@ -416,3 +416,32 @@ def test_evictions_by_large_inline_values_are_reported() -> None:
         assert s.evictions_reported == 2 and s.needs == 0 and s.lost == 0
     finally:
         n.close()
+
+
+def test_small_stored_objects_are_held_on_a_node_with_a_larger_inline_threshold() -> None:
+    """An object the writer stored is stored on every node, even one whose inline threshold
+    is above its size: a hit is then a REF served from the node's store, not a NEED round
+    trip for bytes the node let go."""
+    name = new_name("relay")
+    writer = Channel.create(name, n_readers=1, capacity_bytes=8 << 20, inline_threshold=1024)
+    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", **FAST)
+    publisher.start()
+    relay = Relay(publisher.endpoint, f"{name}-n", 1, 8 << 20, inline_threshold=256 << 10,
+                  **FAST)
+    reader = Channel.attach(f"{name}-n", 0)
+    try:
+        relay.wait_for_readers(10)
+        relay.start()
+        publisher.wait_for_nodes(1, 10)
+        writer.wait_for_readers(10)
+        for _ in range(3):  # 20 kB: stored by the writer, below the node's 256 KiB threshold
+            send_keys(writer, [1, 2], nbytes=20_000)
+            check_received(reader, [1, 2])
+        s = relay.stats()
+        assert (s.objects_received, s.refs_hit, s.needs, s.lost) == (2, 4, 0, 0)
+        assert publisher.stats().nodes[0].objects_sent == 2
+    finally:
+        reader.close()
+        relay.close()
+        publisher.close()
+        writer.close()
