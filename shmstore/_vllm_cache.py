@@ -14,14 +14,17 @@ Sender (API process, "P0"), one per engine::
                                for that hash (ValueError otherwise)
     clear_cache                store.clear(): every earlier handle is stale
 
-Receiver (each worker), attached lazily with the worker's local rank; n_readers is the world
-size. A handle item is read with `get` (owned tensors: the worker keeps them across steps) and
-turned back into vLLM's MultiModalKwargsItem. A handle that is stale or damaged raises vLLM's
-MultiModalCacheMissError, which vLLM answers by asking for the data again.
+Receiver (each worker), attached lazily with the worker's local rank; n_readers is the number
+of workers on the node. A TP group across nodes (`--nnodes`): see _vllm_nodes.py. A handle item
+is read with `get` (owned tensors: the worker keeps them across steps) and turned back into
+vLLM's MultiModalKwargsItem. A handle that is stale or damaged raises vLLM's
+MultiModalCacheMissError with a log line saying why. (vLLM 0.32 retries that error only where
+the engine core raises it; in a worker the step fails, as with vLLM's own shm cache.)
 
 The handle item carries an `address` field (vLLM keeps items with one when prefix caching strips
 covered data, so every hand-out reaches the workers and is counted) and `shmstore_handle`, the
-Handle's fields as five ints (they survive vLLM's msgpack round trip).
+Handle's fields and the object's origin seq as six ints (they survive vLLM's msgpack round
+trip; the origin seq lets a worker on another node find its relay's copy).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from vllm.multimodal.inputs import (
 )
 from vllm.utils.cache import CacheInfo
 
+from ._vllm_nodes import FEED_ERRORS, HeadPublisher, NodeFeed, node_layout
 from .errors import (
     CorruptObject,
     InvalidArgument,
@@ -54,6 +58,7 @@ from .errors import (
     ObjectTooLarge,
     StaleHandle,
     StoreFull,
+    Timeout,
 )
 from .handle import Handle
 from .policy import DEFAULT_POLICY
@@ -61,7 +66,7 @@ from .store import ObjectStore, StoreReader, StoreWriter
 from .vllm_plugin import POLICY_ENV
 
 __all__ = ["ShmstoreSenderCache", "ShmstoreReceiverCache", "install", "item_to_value",
-           "value_to_item", "HANDLE_FIELD"]
+           "value_to_item", "HANDLE_FIELD", "handle_from_item", "object_id_from_item"]
 
 log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
 HANDLE_FIELD = "shmstore_handle"
@@ -71,8 +76,8 @@ _GIB = 1 << 30
 _MIB = 1 << 20
 
 
-def _settings(vllm_config: Any) -> tuple[str, int, int, int]:
-    """(name, capacity_bytes, max_object_bytes, n_readers) from vLLM's own configuration."""
+def _settings(vllm_config: Any) -> tuple[str, int, int]:
+    """(name, capacity_bytes, max_object_bytes) from vLLM's own configuration."""
     mm_config = vllm_config.model_config.get_multimodal_config()
     capacity = int(mm_config.mm_processor_cache_gb * _GIB)
     max_object = min(int(mm_config.mm_shm_cache_max_object_size_mb * _MIB), capacity)
@@ -81,7 +86,7 @@ def _settings(vllm_config: Any) -> tuple[str, int, int, int]:
     # vLLM's own: the variable if set, else a fresh name per process tree (set in the
     # environment, so the workers it starts find the same segment)
     name = envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME
-    return name, capacity, max_object, int(vllm_config.parallel_config.world_size)
+    return name, capacity, max_object
 
 
 # -- vLLM items <-> values shmstore's serializer carries -----------------------------------------
@@ -133,9 +138,10 @@ def value_to_item(value: Any) -> MultiModalKwargsItem:
         raise CorruptObject(f"stored vLLM item is not valid: {type(exc).__name__}: {exc}") from None
 
 
-def handle_item(handle: Handle) -> MultiModalKwargsItem:
+def handle_item(handle: Handle, object_id: bytes) -> MultiModalKwargsItem:
     words = [handle.address, handle.seq, int.from_bytes(handle.key_digest[:8], "little"),
-             int.from_bytes(handle.key_digest[8:], "little"), handle.epoch]
+             int.from_bytes(handle.key_digest[8:], "little"), handle.epoch,
+             int.from_bytes(object_id[16:], "little")]
     batched = MultiModalBatchedField()
     return MultiModalKwargsItem({
         "address": MultiModalFieldElem(data=handle.address, field=batched),
@@ -143,15 +149,31 @@ def handle_item(handle: Handle) -> MultiModalKwargsItem:
     })
 
 
-def handle_from_item(item: Any) -> Handle | None:
-    """The Handle an item carries, None for an item with data; ValueError if it is malformed."""
+def _words(item: Any) -> list[int] | None:
     if item is None or HANDLE_FIELD not in item:
         return None
     words = item[HANDLE_FIELD].data
-    if (not isinstance(words, (list, tuple)) or len(words) != 5
+    if (not isinstance(words, (list, tuple)) or len(words) != 6
             or any(type(w) is not int or not 0 <= w < 1 << 64 for w in words)):
-        raise ValueError("malformed shmstore handle item: expected five unsigned 64-bit ints")
-    address, seq, low, high, epoch = words
+        raise ValueError("malformed shmstore handle item: expected six unsigned 64-bit ints")
+    return list(words)
+
+
+def object_id_from_item(item: Any) -> bytes | None:
+    """The object id (key digest + origin seq) a handle item names, None for an item with
+    data; ValueError if it is malformed."""
+    words = _words(item)
+    if words is None:
+        return None
+    return b"".join(w.to_bytes(8, "little") for w in (words[2], words[3], words[5]))
+
+
+def handle_from_item(item: Any) -> Handle | None:
+    """The Handle an item carries, None for an item with data; ValueError if it is malformed."""
+    words = _words(item)
+    if words is None:
+        return None
+    address, seq, low, high, epoch, _ = words
     try:
         return Handle(address, seq, low.to_bytes(8, "little") + high.to_bytes(8, "little"), epoch)
     except (InvalidHandle, ValueError, TypeError) as exc:
@@ -165,17 +187,25 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__()
-        name, capacity, max_object, n_readers = _settings(vllm_config)
+        name, capacity, max_object = _settings(vllm_config)
+        nodes, _, n_readers = node_layout(vllm_config)
         policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
-        try:
-            self._store: StoreWriter = ObjectStore.create(
-                name, capacity_bytes=capacity, n_readers=n_readers, max_object_bytes=max_object,
-                policy=policy)
-        except InvalidArgument as exc:
-            if exc.argument != "max_object_bytes":
-                raise
-            self._store = ObjectStore.create(  # the limit is about the whole cache: what fits
-                name, capacity_bytes=capacity, n_readers=n_readers, policy=policy)
+
+        def make(create: Any) -> Any:
+            try:
+                return create(capacity_bytes=capacity, max_object_bytes=max_object, policy=policy)
+            except InvalidArgument as exc:
+                if exc.argument != "max_object_bytes":
+                    raise
+                # the limit is about the whole cache: what fits
+                return create(capacity_bytes=capacity, policy=policy)
+
+        self._head: HeadPublisher | None = None
+        if nodes > 1:
+            self._head = HeadPublisher(make, name, n_readers, nodes - 1)
+            self._store: StoreWriter = self._head.channel.store
+        else:
+            self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers, **kw))
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
         self._touched: dict[str, Handle] = {}  # hand-outs kept by touch, not yet used
         self._hits = self._total = self.inline_fallbacks = 0
@@ -207,11 +237,16 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
         self._total += 1
         handle = self._touched.pop(mm_hash, None)
+        if handle is not None and self._head is not None:
+            # published hand-outs go out in the order they are made: make it again, now
+            self._store.give_back(handle)
+            handle = None
         if handle is None and self.is_cached_item(mm_hash):
             handle = self._store.get_cached(mm_hash)
         if handle is not None:
             self._hits += 1
-            return handle_item(handle), self._updates[mm_hash]
+            out = self._hand_out(handle, mm_item, mm_hash)
+            return (mm_item if out is None else out), self._updates[mm_hash]
         if mm_item is None:
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
@@ -227,13 +262,40 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if len(self._updates) >= 2 * len(self._store) + 64:
             self._updates = {h: u for h, u in self._updates.items() if self._store.is_cached(h)}
         self._updates[mm_hash] = prompt_updates
-        return handle_item(handle), prompt_updates
+        out = self._hand_out(handle, mm_item, mm_hash)
+        return (mm_item if out is None else (out, prompt_updates))
+
+    def _hand_out(self, handle: Handle, mm_item: Any, mm_hash: str) -> Any:
+        """The handle item for a hand-out just made; on a TP group across nodes, also sent to
+        the other nodes. None: give the data inline instead (a node's relay is not connected,
+        or too slow to take it); the hand-out is given back."""
+        head = self._head
+        if head is not None:
+            why = "" if head.ready() else "a node's relay is not connected"
+            if not why:
+                try:
+                    head.publish(handle)
+                except Timeout:  # given back by publish
+                    why = "the relays did not take it in time"
+            else:
+                self._store.give_back(handle)
+            if why:
+                if mm_item is None:  # a hit without data: nothing to send inline
+                    log.warning("shmstore: item %s cannot reach every node (%s)", mm_hash, why)
+                    raise MultiModalCacheMissError([mm_hash])
+                self.inline_fallbacks += 1
+                log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
+                return None
+        object_id = self._store.object_id(mm_hash)
+        assert object_id is not None  # handed out just now: cached
+        return handle_item(handle, object_id)
 
     def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
         handle = handle_from_item(mm_item)
         if handle is None:
             return
-        if handle != self._store.handle_of(mm_hash):
+        if (handle != self._store.handle_of(mm_hash)
+                or object_id_from_item(mm_item) != self._store.object_id(mm_hash)):
             raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
                              "server did not issue for it (forged, stale or from another "
                              "server); send the data instead")
@@ -259,6 +321,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._unregister_metrics()
         if not self._store.closed:
             self.release_sender_touches()
+        if self._head is not None:
+            self._head.close()
         self._store.close()
 
 
@@ -267,8 +331,14 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, shared_worker_lock: Any = None) -> None:
         super().__init__()  # shared_worker_lock: accepted, not needed (no cross-process lock)
-        self._name, _, _, self._n_readers = _settings(vllm_config)
+        self._name, _, _ = _settings(vllm_config)
+        nodes, node_rank, n_local = node_layout(vllm_config)
         self._reader: StoreReader | None = None
+        self._feed: NodeFeed | None = None
+        if nodes > 1 and node_rank > 0:  # fed by this node's relay: attach before any request
+            self._feed = NodeFeed(self._name, n_local)
+        elif nodes > 1:
+            self._name = f"{self._name}.store"  # the head's channel's store
 
     @property
     def reader(self) -> StoreReader:
@@ -287,8 +357,12 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         if handle is None:
             return mm_item
         try:
+            if self._feed is not None:
+                object_id = object_id_from_item(mm_item)
+                assert object_id is not None  # it carries a handle
+                return value_to_item(self._feed.get(object_id))
             return value_to_item(self.reader.get(handle))
-        except (StaleHandle, CorruptObject) as exc:
+        except (StaleHandle, CorruptObject, *FEED_ERRORS) as exc:
             log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
             raise MultiModalCacheMissError([mm_hash]) from None
 
@@ -301,6 +375,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
+        if self._feed is not None:
+            self._feed.close()
 
 
 def _export_metrics(store: StoreWriter, inline_fallbacks: Any) -> Any:

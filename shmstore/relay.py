@@ -372,6 +372,11 @@ class Publisher(_Peer):
 
     # -- public --------------------------------------------------------------------------------
 
+    @property
+    def nodes_connected(self) -> int:
+        """Relays connected now (WELCOMEd and not dropped); safe from another thread."""
+        return len(self._nodes)
+
     def wait_for_nodes(self, n_nodes: int, timeout: float | None = None) -> None:
         """Block until at least `n_nodes` relays are connected (serve() runs in a thread)."""
         end = None if timeout is None else time.monotonic() + timeout
