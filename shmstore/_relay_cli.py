@@ -111,7 +111,10 @@ def main(args: argparse.Namespace) -> int:
                 relay.wait_for_readers()
             print(f"relaying {args.endpoint} into channel {relay.name!r}", flush=True)
             why = relay.serve()
-        print(f"relay stopped: {why}", flush=True)
+            s = relay.stats()
+        print(f"relay stopped: {why}; messages {s.messages}, objects received "
+              f"{s.objects_received}, refs hit {s.refs_hit}, needs {s.needs}, lost {s.lost}",
+              flush=True)
         return 0
     except ShmStoreError as exc:
         print(f"shmstore relay: {exc}", file=sys.stderr)

@@ -212,11 +212,17 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._last = CacheInfo(hits=0, total=0)
         self._unregister_metrics = _export_metrics(self._store, lambda: self.inline_fallbacks)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s, "
-                 "%d readers", name, capacity, policy, n_readers)
+                 "%d readers%s", name, capacity, policy, n_readers,
+                 "" if self._head is None else " on this node and the relay publisher")
 
     @property
     def store(self) -> StoreWriter:
         return self._store
+
+    @property
+    def publisher(self) -> Any:
+        """The relay Publisher of a TP group across nodes (shmstore.relay.Publisher), else None."""
+        return None if self._head is None else self._head.publisher
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
@@ -238,9 +244,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._total += 1
         handle = self._touched.pop(mm_hash, None)
         if handle is not None and self._head is not None:
-            # published hand-outs go out in the order they are made: make it again, now
-            self._store.give_back(handle)
-            handle = None
+            # published hand-outs go out in the order they are made: renew the kept one
+            handle = self._store.hand_out_again(handle)
         if handle is None and self.is_cached_item(mm_hash):
             handle = self._store.get_cached(mm_hash)
         if handle is not None:

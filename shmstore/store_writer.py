@@ -224,6 +224,30 @@ class StoreWriter(StoreSpace):
             StaleHandle: the object is gone, or has no hand-out left to take back.
         """
         self._guard_check()
+        entry = self._handed_out(handle)
+        self._give_backs += 1
+        entry.handouts.pop()  # last: if this line ran, the give-back is done
+
+    def hand_out_again(self, handle: Handle) -> Handle:
+        """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
+        writer that publishes its hand-outs in order (ChannelWriter.publish) and kept this one
+        a while before sending it (against eviction). Neither a hit nor a give-back.
+
+        Raises:
+            StaleHandle: as give_back.
+        """
+        self._guard_enter()
+        try:
+            entry = self._handed_out(handle)
+            number = self._handout_seq + 1
+            entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
+            self._advance_handouts(number)
+            return entry.handle
+        finally:
+            self._guard_leave()
+
+    def _handed_out(self, handle: Handle) -> Entry:
+        """The live entry of `handle` with a hand-out to take back; StaleHandle if none."""
         self._check_handle(handle)
         entry = self._by_seq.get(handle.seq)
         if entry is None or not entry.live or entry.handle != handle:
@@ -233,8 +257,7 @@ class StoreWriter(StoreSpace):
             raise StaleHandle(f"handle {handle} has no hand-out left to give back in store "
                               f"{self.name!r}; give each hand-out back at most once",
                               handle, self.name)
-        self._give_backs += 1
-        entry.handouts.pop()  # last: if this line ran, the give-back is done
+        return entry
 
     def clear(self) -> None:
         """Drop every object: every handle issued before now becomes stale.
@@ -374,6 +397,9 @@ class StoreWriter(StoreSpace):
         number = self._handout_seq + 1
         done.append((entry, number))
         entry.handouts.append(number)
+        self._advance_handouts(number)
+
+    def _advance_handouts(self, number: int) -> None:
         self._handout_seq = number
         # Full barrier: a reader attaching now publishes its row, then reads this number; one of
         # the two sides sees the other (see store.StoreReader attach).

@@ -175,6 +175,21 @@ def test_release_gives_back_an_aborted_handout(store) -> None:
     assert not w.is_cached("aborted") and w.stats().give_backs == 1
 
 
+def test_hand_out_again_renews_a_kept_handout_without_a_second_read(store) -> None:
+    w, readers = store
+    h = w.put("kept", blob(0))
+    first = w.handout_seq
+    read_all(readers, w.put("other", blob(1)))
+    assert w.hand_out_again(h) == h and w.handout_seq == first + 2  # a new, later number
+    assert (w.stats().hits, w.stats().give_backs) == (0, 0)
+    read_all(readers, h)  # one read each settles it: the kept hand-out is not owed as well
+    for i in range(2, 8):
+        read_all(readers, w.put(f"k{i}", blob(i)))
+    assert not w.is_cached("kept")
+    with pytest.raises(StaleHandle):
+        w.hand_out_again(h)
+
+
 def test_view_counts_on_exit_even_when_the_block_raises(store) -> None:
     w, (r0, _) = store
     h = w.put("k", blob(3))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +30,20 @@ pytestmark = pytest.mark.timeout(600)
 RUNNER = Path(__file__).with_name("vllm_engine_run.py")
 
 
-def run_engine(model: Path, cache_type: str, tp: int, segment: str) -> dict[str, Any]:
+def engine_env(segment: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    env = {**env, "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment,
-           "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(RUNNER.parent.parent)}
-    if tp == 2:
+    return {**env, "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment,
+            "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(RUNNER.parent.parent), **extra}
+
+
+def run_engine(model: Path, cache_type: str, tp: int, segment: str, *nodes: int,
+               **extra: str) -> dict[str, Any]:
+    env = engine_env(segment, **extra)
+    if tp == 2 and not nodes:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    done = subprocess.run([sys.executable, str(RUNNER), str(model), cache_type, str(tp)],
-                          capture_output=True, text=True, timeout=540, env=env)
+    done = subprocess.run([sys.executable, str(RUNNER), str(model), cache_type, str(tp),
+                           *map(str, nodes)], capture_output=True, text=True, timeout=540, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert done.returncode == 0 and lines, (done.stdout[-3000:], done.stderr[-6000:])
     report: dict[str, Any] = json.loads(lines[-1][len("REPORT "):])
@@ -73,3 +80,49 @@ def test_shmstore_serves_vllms_shm_cache_with_identical_outputs(
     pids = report["reader_pids"]
     assert all(pids) and len(set(pids)) == tp  # each TP rank attached as its own reader
     assert not Path("/dev/shm", segment).exists()  # the engine's exit unlinked it
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_tp_group_across_two_nodes_reads_through_the_relay(
+        model: Path, lru_tokens: list[list[int]], tmp_path: Path) -> None:
+    """TP 2 over two simulated nodes (vLLM --nnodes 2; node 1 headless, with its own store
+    name, as on another machine): node 1's worker gets every item from its relay's store."""
+    head, node = new_name("vllm-head"), new_name("vllm-node1")
+    publish = f"tcp://127.0.0.1:{free_port()}"
+    master_port = free_port()
+    relay_log = (tmp_path / "relay.log").open("w+")
+    node_log = (tmp_path / "node1.log").open("w+")
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "shmstore", "relay", "connect", publish, "--name", node,
+         "--readers", "1"], stdout=relay_log, stderr=subprocess.STDOUT, env=engine_env(node))
+    node1 = subprocess.Popen(
+        [sys.executable, str(RUNNER), str(model), "shm", "2", "2", "1", str(master_port)],
+        stdout=node_log, stderr=subprocess.STDOUT,
+        env=engine_env(node, VLLM_CPU_OMP_THREADS_BIND="1"), start_new_session=True)
+    try:
+        report = run_engine(model, "shm", 2, head, 2, 0, master_port,
+                            SHMSTORE_VLLM_PUBLISH=publish, VLLM_CPU_OMP_THREADS_BIND="0")
+        assert relay.wait(timeout=30) == 0  # the head's end reached the relay: it stops
+    finally:
+        os.killpg(node1.pid, signal.SIGTERM)  # headless workers run until told to stop
+        node1.wait(timeout=60)
+        relay.kill()
+        relay.wait()
+    relay_log.seek(0)
+    relay_out = relay_log.read()
+    assert report["tokens"] == lru_tokens, relay_out
+    # the head stored 3 images and handed each out twice, all by handle (none inline)
+    assert (report["puts"], report["hits"], report["inline_fallbacks"]) == (3, 3, 0)
+    assert report["n_readers"] == 2  # its one local worker and the publisher
+    assert report["reader_lag"] == [0, 0] and report["corrupt_reads"] == [0, 0]
+    assert (report["published"], report["nodes_joined"]) == (6, 1)
+    assert (report["objects_sent"], report["refs_sent"]) == ([3], [3])  # each body once
+    # node 1's relay stored each body once, served the repeats from its store
+    assert ("relay stopped: end; messages 6, objects received 3, refs hit 3, needs 0, lost 0"
+            in relay_out), relay_out
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith((head, node))]
