@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,7 +40,9 @@ from shmstore._vllm_cache import (  # noqa: E402
     ShmstoreSenderCache,
     handle_from_item,
 )
-from tests._names import ObjectStore  # noqa: E402
+from shmstore._vllm_nodes import PUBLISH_ENV, WAIT_ENV  # noqa: E402
+from shmstore.relay import Relay  # noqa: E402
+from tests._names import InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
 
 MB = 1 << 20
 SPAWN = mp.get_context("spawn")
@@ -53,14 +57,16 @@ def segment_name(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def config(name: str, cache_mb: float = 64, max_object_mb: int = 32, world_size: int = 2,
-           cache_type: str = "shm") -> Any:
+           cache_type: str = "shm", nodes: int = 1, node_rank: int = 0) -> Any:
     """The fields of a VllmConfig the caches read; the segment name comes from the
     environment, as in vLLM (`name` only documents which one the test means)."""
     mm = SimpleNamespace(mm_processor_cache_gb=cache_mb / 1024, mm_shm_cache_max_object_size_mb=max_object_mb,
                          mm_processor_cache_type=cache_type)
     model = SimpleNamespace(get_multimodal_config=lambda: mm, supports_multimodal_inputs=True)
     parallel = SimpleNamespace(world_size=world_size, _api_process_count=1, data_parallel_size=1,
-                               data_parallel_external_lb=False)
+                               data_parallel_external_lb=False, nnodes_within_dp=nodes,
+                               node_rank_within_dp=node_rank,
+                               local_world_size=world_size // nodes)
     return SimpleNamespace(model_config=model, parallel_config=parallel)
 
 
@@ -350,3 +356,82 @@ def test_without_a_name_each_server_gets_vllms_unique_one(monkeypatch: pytest.Mo
         receiver.close()
     finally:
         sender.close()
+
+
+# -- a TP group across nodes (vLLM --nnodes): the head publishes, node 1 reads via its relay --
+
+def test_a_tp_group_across_nodes_needs_the_relay_address(name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PUBLISH_ENV, raising=False)
+    with pytest.raises(InvalidArgument, match=f"{PUBLISH_ENV}=tcp://.*shmstore relay connect"):
+        ShmstoreSenderCache(config(name, nodes=2))
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(name)]
+
+
+def test_a_worker_on_another_node_needs_its_relay_channel(name: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SegmentNotFound, match=f"relay connect tcp://HEAD:PORT --name {name}"):
+        ShmstoreReceiverCache(config(name, nodes=2, node_rank=1), None)
+    monkeypatch.setenv(WAIT_ENV, "soon")
+    with pytest.raises(InvalidArgument, match=WAIT_ENV):
+        ShmstoreReceiverCache(config(name, nodes=2, node_rank=1), None)
+
+
+def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = f"{name}-n1"
+    monkeypatch.setenv(PUBLISH_ENV, "tcp://127.0.0.1:*")
+    monkeypatch.setenv(WAIT_ENV, "0.5")
+    head_cfg = config(name, nodes=2)
+    sender = ShmstoreSenderCache(head_cfg)
+    local = ShmstoreReceiverCache(head_cfg, None)
+    relay = remote = None
+    try:
+        # no relay connected yet: the data goes inline; a hit without data cannot reach node 1
+        item0 = image_item(0)
+        assert sender.get_and_update_item((item0, ["u0"]), "h0") == (item0, ["u0"])
+        with pytest.raises(MultiModalCacheMissError):
+            sender.get_and_update_item(None, "h0")
+        assert sender.inline_fallbacks == 1
+        relay = Relay(sender.publisher.endpoint, node, 1, 64 * MB, peer_timeout_s=1.0,
+                      heartbeat_s=0.1)
+        monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", node)  # node 1's name
+        remote = ShmstoreReceiverCache(config(node, nodes=2, node_rank=1), None)
+        relay.wait_for_readers(10)
+        relay.start()
+        sender.publisher.wait_for_nodes(1, 10)
+        items = {f"h{i}": image_item(i) for i in range(1, 4)}
+        outs = {h: over_the_wire(sender.get_and_update_item((it, []), h)[0])
+                for h, it in items.items()}
+        sender.touch_sender_cache_item("h1")
+        sender.get_and_update_item((image_item(4), []), "h4")  # handed out, never scheduled
+        outs["h1 again"] = over_the_wire(sender.get_and_update_item(None, "h1")[0])  # the touch
+        assert all(HANDLE_FIELD in out for out in outs.values())
+        # workers get items in scheduling order, not hand-out order
+        for h in ["h3", "h1 again", "h1", "h2"]:
+            key = h.split()[0]
+            assert same_item(remote.get_and_update_item(outs[h], key), items[key])
+            assert same_item(local.get_and_update_item(outs[h], key), items[key])
+        stats = relay.stats()
+        assert (stats.objects_received, stats.refs_hit, stats.needs, stats.lost) == (4, 1, 0, 0)
+        # hits: h0's refused one (given back, as h0's inline put was) and the touch, whose
+        # renewal is neither a hit nor a give-back
+        assert (sender.store.stats().hits, sender.store.stats().give_backs) == (2, 2)
+        # a handle that never reaches node 1 (another object id): a bounded wait, then a miss
+        forged = MultiModalKwargsItem(dict(outs["h2"]))
+        words = list(forged[HANDLE_FIELD].data)
+        words[5] += 1
+        forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=forged[HANDLE_FIELD].field)
+        started = time.monotonic()
+        with pytest.raises(MultiModalCacheMissError):
+            remote.get_and_update_item(forged, "h2")
+        assert 0.4 < time.monotonic() - started < 5
+    finally:
+        for cache in (remote, local):
+            if cache is not None:
+                cache.close()
+        sender.close()  # ends the channel: the relay forwards END and stops
+        if relay is not None:
+            assert relay.result(timeout=10) == "end"
+            relay.close()
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(name)]
