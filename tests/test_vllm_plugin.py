@@ -426,6 +426,13 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         with pytest.raises(MultiModalCacheMissError):
             remote.get_and_update_item(forged, "h2")
         assert 0.4 < time.monotonic() - started < 5
+        # handles no request here asks for are kept up to a bound, then given up oldest first
+        monkeypatch.setattr("shmstore._vllm_nodes.MAX_WAITING", 1)
+        later = {f"h{i}": over_the_wire(sender.get_and_update_item((image_item(i), []), f"h{i}")[0])
+                 for i in (5, 6, 7)}
+        assert same_item(remote.get_and_update_item(later["h7"], "h7"), image_item(7))
+        assert remote._feed is not None and remote._feed.dropped == 2  # h4, then h5
+        assert relay.channel.store.stats().reader_lag == (1,)  # h6 still kept, owed
     finally:
         for cache in (remote, local):
             if cache is not None:
