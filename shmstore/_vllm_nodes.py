@@ -100,8 +100,9 @@ class HeadPublisher:
                  self.publisher.endpoint)
 
     def ready(self) -> bool:
-        """Every other node's relay is connected (a hand-out now reaches all of them)."""
-        return self.publisher.nodes_connected >= self.n_remote_nodes
+        """Every other node's relay is connected (a hand-out now reaches all of them), and
+        the Publisher still serves (if it stopped, an error is in the log)."""
+        return self.publisher.serving and self.publisher.nodes_connected >= self.n_remote_nodes
 
     def publish(self, handle: Handle) -> None:
         """Send a hand-out just made to the nodes (Timeout: given back, see ChannelWriter)."""

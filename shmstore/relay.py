@@ -263,6 +263,11 @@ class _Peer(Closeable):
         thread.start()
         return thread
 
+    @property
+    def serving(self) -> bool:
+        """serve() runs in the thread start() made (False before start and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _serve_thread(self) -> None:
         try:
             self._result = self.serve()

@@ -390,8 +390,9 @@ def test_missing_key_files_say_how_to_make_them(tmp_path) -> None:
 
 
 def test_stop_from_another_thread_ends_serve(net: Net) -> None:
+    assert net.publisher.serving
     threading.Timer(0.2, net.publisher.stop).start()
-    assert net.publisher.result(10) == "closed"
+    assert net.publisher.result(10) == "closed" and not net.publisher.serving
 
 
 def test_evictions_by_large_inline_values_are_reported() -> None:
