@@ -346,6 +346,11 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             self._name = f"{self._name}.store"  # the head's channel's store
 
     @property
+    def feed(self) -> NodeFeed | None:
+        """On a node other than the head: what reads this node's relay channel, else None."""
+        return self._feed
+
+    @property
     def reader(self) -> StoreReader:
         """This worker's reader, attached at first use with the worker's local rank."""
         if self._reader is None:
@@ -353,6 +358,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         return self._reader
 
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
+        if self._feed is not None:
+            self._feed.poll()  # handles that came, and a relay that ended or was replaced
         with_data = [f for f in mm_features if f.data is not None]
         super().get_and_update_features(with_data)
         return mm_features

@@ -122,49 +122,97 @@ class HeadPublisher:
 
 class NodeFeed:
     """A worker on another node: resolves the head's handle items from this node's relay
-    channel, taking the relay's handles in order and the objects in any order."""
+    channel, taking the relay's handles in order and the objects in any order. A relay that
+    ends or dies is noticed between steps (poll) and a replacement on the same name attached."""
 
     def __init__(self, name: str, n_local: int) -> None:
         self.wait_s = _wait_seconds()
         self.name = name
-        self._reader = _attach_free(name, n_local)
+        self._n_local = n_local
+        self._reader: ChannelReader | None = _attach_free(name, n_local)
         self._kept: deque[Handle] = deque()  # received, not yet asked for (owed to us)
-        self.dropped = 0
+        self._retry_at = 0.0
+        self.dropped = self.reattached = 0
 
     @property
-    def reader(self) -> ChannelReader:
+    def reader(self) -> ChannelReader | None:
+        """This worker's reader of the relay channel (None while it waits for a new relay)."""
         return self._reader
+
+    def poll(self) -> None:
+        """Between steps: take the handles that came, notice a relay that ended or died, and
+        attach its replacement (a try per second). Cheap; never waits."""
+        reader = self._reader
+        if reader is None:
+            now = time.monotonic()
+            if now < self._retry_at:
+                return
+            self._retry_at = now + 1.0
+            with contextlib.suppress(SegmentNotFound, InvalidArgument):
+                self._reader = _attach_free(self.name, self._n_local)
+                self.reattached += 1
+                log.info("shmstore: worker attached relay channel %r again", self.name)
+            return
+        try:
+            while True:
+                try:
+                    self._keep(reader.recv_handle(timeout=0))
+                except CorruptObject as exc:  # a damaged or inline message: skipped
+                    log.warning("shmstore: relay channel %r: %s", self.name, exc)
+        except Timeout:
+            return
+        except (Closed, WriterGone) as exc:
+            self._relay_gone(exc)
 
     def get(self, object_id: bytes) -> Any:
         """The object the head stored as `object_id` (an owned copy).
 
         Raises:
             Timeout: its handle did not come within wait_s. Closed, WriterGone: the relay's
-                channel ended. StaleHandle, CorruptObject: as StoreReader.get.
+                channel ended (poll attaches a new one). StaleHandle, CorruptObject: as
+                StoreReader.get.
         """
+        reader = self._reader
+        if reader is None:
+            raise Closed(f"relay channel {self.name!r} ended; waiting for a new relay")
         digest = key_digest(object_id)  # the relay stores the bytes under their object id
         for i, handle in enumerate(self._kept):
             if handle.key_digest == digest:
                 del self._kept[i]
-                return self._reader.get(handle)
+                return reader.get(handle)
         end = time.monotonic() + self.wait_s
         while True:
-            handle = self._reader.recv_handle(timeout=max(0.0, end - time.monotonic()))
+            try:
+                handle = reader.recv_handle(timeout=max(0.0, end - time.monotonic()))
+            except (Closed, WriterGone) as exc:
+                self._relay_gone(exc)
+                raise
             if handle.key_digest == digest:
-                return self._reader.get(handle)
-            self._kept.append(handle)
-            if len(self._kept) > MAX_WAITING:  # hand-outs no request here ever used
-                oldest = self._kept.popleft()
-                self.dropped += 1
-                with contextlib.suppress(StaleHandle, CorruptObject):
-                    self._reader.discard(oldest)
-                log.warning("shmstore: worker on relay channel %r gave up an item handed out "
-                            "%d items ago and never asked for (%d so far)", self.name,
-                            MAX_WAITING, self.dropped)
+                return reader.get(handle)
+            self._keep(handle)
 
     def close(self) -> None:
         self._kept.clear()
-        self._reader.close()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _keep(self, handle: Handle) -> None:
+        assert self._reader is not None  # only handles of the current reader are kept
+        self._kept.append(handle)
+        if len(self._kept) > MAX_WAITING:  # hand-outs no request here ever used
+            oldest = self._kept.popleft()
+            self.dropped += 1
+            with contextlib.suppress(StaleHandle, CorruptObject):
+                self._reader.discard(oldest)
+            log.warning("shmstore: worker on relay channel %r gave up an item handed out "
+                        "%d items ago and never asked for (%d so far)", self.name,
+                        MAX_WAITING, self.dropped)
+
+    def _relay_gone(self, exc: Exception) -> None:
+        log.warning("shmstore: relay channel %r ended (%s); items come inline until a new relay "
+                    "runs on this node", self.name, exc)
+        self.close()
 
 
 FEED_ERRORS = (Timeout, Closed, WriterGone)  # what NodeFeed.get adds to a reader's errors

@@ -431,8 +431,30 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         later = {f"h{i}": over_the_wire(sender.get_and_update_item((image_item(i), []), f"h{i}")[0])
                  for i in (5, 6, 7)}
         assert same_item(remote.get_and_update_item(later["h7"], "h7"), image_item(7))
-        assert remote._feed is not None and remote._feed.dropped == 2  # h4, then h5
+        assert remote.feed is not None and remote.feed.dropped == 2  # h4, then h5
         assert relay.channel.store.stats().reader_lag == (1,)  # h6 still kept, owed
+        # the relay ends (or dies): items go inline; a new relay on the same name takes over
+        relay.close()
+        remote.get_and_update_features([])  # a step: the worker notices
+        assert remote.feed.reader is None
+        deadline = time.monotonic() + 10  # it said BYE: the head drops it
+        while sender.publisher.nodes_connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        item9 = image_item(9)
+        assert sender.get_and_update_item((item9, []), "h9") == (item9, [])
+        relay = Relay(sender.publisher.endpoint, node, 1, 64 * MB, peer_timeout_s=1.0,
+                      heartbeat_s=0.1)
+        deadline = time.monotonic() + 10
+        while remote.feed.reader is None and time.monotonic() < deadline:
+            remote.get_and_update_features([])  # steps: a try per second
+            time.sleep(0.05)
+        assert remote.feed.reattached == 1
+        relay.wait_for_readers(10)
+        relay.start()
+        sender.publisher.wait_for_nodes(1, 10)
+        out10 = over_the_wire(sender.get_and_update_item((image_item(10), []), "h10")[0])
+        assert HANDLE_FIELD in out10
+        assert same_item(remote.get_and_update_item(out10, "h10"), image_item(10))
         sender.publisher.stop()
         assert sender.publisher.result(10) == "closed" and not sender.publisher.serving
         item8 = image_item(8)  # a publisher that stopped: the data goes inline, not lost
