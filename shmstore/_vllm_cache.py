@@ -210,7 +210,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._touched: dict[str, Handle] = {}  # hand-outs kept by touch, not yet used
         self._hits = self._total = self.inline_fallbacks = 0
         self._last = CacheInfo(hits=0, total=0)
-        self._unregister_metrics = _export_metrics(self._store, lambda: self.inline_fallbacks)
+        self._unregister_metrics = _export_metrics(self._store, lambda: self.inline_fallbacks,
+                                                   self.publisher)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s, "
                  "%d readers%s", name, capacity, policy, n_readers,
                  "" if self._head is None else " on this node and the relay publisher")
@@ -391,12 +392,13 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             self._feed.close()
 
 
-def _export_metrics(store: StoreWriter, inline_fallbacks: Any) -> Any:
+def _export_metrics(store: StoreWriter, inline_fallbacks: Any, publisher: Any) -> Any:
     """shmstore_* metrics on prometheus_client's default registry (vLLM's /metrics)."""
     try:
         from .metrics import register_store_metrics
 
-        return register_store_metrics(store, inline_fallbacks=inline_fallbacks)
+        return register_store_metrics(store, inline_fallbacks=inline_fallbacks,
+                                      publisher=publisher)
     except ImportError:
         return lambda: None
 

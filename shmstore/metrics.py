@@ -24,6 +24,16 @@ Every metric carries a `segment` label (the store's name); per-reader ones also 
     shmstore_reader_lag                 hand-outs each reader still owes (per reader)
     shmstore_corrupt_reads_total        objects each reader gave up on as damaged (per reader)
 
+With a relay Publisher (`publisher=`; the vLLM cache of a TP group across nodes):
+
+    shmstore_relay_nodes                relays connected now
+    shmstore_relay_nodes_dropped_total  relays dropped (silent, too slow, or gone)
+    shmstore_relay_lost_total           messages the nodes got as LOST (cleared or damaged)
+    shmstore_relay_bytes_sent_total     every frame to every node
+    shmstore_relay_unacked              messages a node has not acknowledged (per node)
+    shmstore_relay_objects_sent_total   bodies sent to a node (per node)
+    shmstore_relay_refs_sent_total      references sent instead of a body (per node)
+
 Needs `prometheus_client` (installed with the `vllm` extra).
 """
 
@@ -58,9 +68,11 @@ class StoreCollector:
     """A prometheus_client collector: one stats() snapshot per scrape."""
 
     def __init__(self, writer: StoreWriter,
-                 inline_fallbacks: Callable[[], int] | None = None) -> None:
+                 inline_fallbacks: Callable[[], int] | None = None,
+                 publisher: Any = None) -> None:
         self._writer = writer
         self._inline_fallbacks = inline_fallbacks
+        self._publisher = publisher
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -93,17 +105,50 @@ class StoreCollector:
             corrupt.add_metric([stats.name, str(r)], stats.corrupt_reads[r])
         yield lag
         yield corrupt
+        if self._publisher is not None:
+            yield from _relay_families(self._publisher.stats(), segment)
+
+
+def _relay_families(stats: Any, segment: list[str]) -> Iterator[Any]:
+    """The metrics of a relay Publisher's PublisherStats."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    nodes = GaugeMetricFamily("shmstore_relay_nodes", "Relays connected now", labels=["segment"])
+    nodes.add_metric(segment, len(stats.nodes))
+    yield nodes
+    for name, value, doc in (
+            ("nodes_dropped", stats.nodes_dropped, "Relays dropped: silent, too slow, or gone"),
+            ("lost", stats.lost, "Messages the nodes got as LOST: cleared or damaged"),
+            ("bytes_sent", stats.bytes_sent, "Bytes of every frame to every node")):
+        family = CounterMetricFamily(f"shmstore_relay_{name}", doc, labels=["segment"])
+        family.add_metric(segment, value)
+        yield family
+    unacked = GaugeMetricFamily("shmstore_relay_unacked", "Messages a node has not acknowledged",
+                                labels=["segment", "node"])
+    objects = CounterMetricFamily("shmstore_relay_objects_sent", "Bodies sent to a node",
+                                  labels=["segment", "node"])
+    refs = CounterMetricFamily("shmstore_relay_refs_sent",
+                               "References sent to a node instead of a body",
+                               labels=["segment", "node"])
+    for node in stats.nodes:
+        labels = [*segment, node.name]
+        unacked.add_metric(labels, node.unacked)
+        objects.add_metric(labels, node.objects_sent)
+        refs.add_metric(labels, node.refs_sent)
+    yield unacked
+    yield objects
+    yield refs
 
 
 def register_store_metrics(writer: StoreWriter, registry: Any = None,
-                           inline_fallbacks: Callable[[], int] | None = None
-                           ) -> Callable[[], None]:
-    """Export `writer`'s statistics on `registry` (default: prometheus_client's); return a
-    function that removes them again."""
+                           inline_fallbacks: Callable[[], int] | None = None,
+                           publisher: Any = None) -> Callable[[], None]:
+    """Export `writer`'s statistics on `registry` (default: prometheus_client's), and those of
+    the relay `publisher` of its channel if given; return a function that removes them again."""
     from prometheus_client import REGISTRY
 
     target = REGISTRY if registry is None else registry
-    collector = StoreCollector(writer, inline_fallbacks)
+    collector = StoreCollector(writer, inline_fallbacks, publisher)
     target.register(collector)
 
     def unregister() -> None:

@@ -39,3 +39,40 @@ def test_every_statistic_is_exported_and_follows_the_store(name: str) -> None:
         unregister()
         assert sample(registry, "shmstore_puts_total", segment=name) is None
         unregister()  # twice is fine
+
+
+def test_a_relay_publishers_statistics_are_exported_per_node(name: str) -> None:
+    from shmstore import Channel
+    from shmstore.relay import Publisher, Relay
+
+    registry = prometheus_client.CollectorRegistry()
+    fast = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1}
+    writer = Channel.create(name, n_readers=1, capacity_bytes=4 << 20)
+    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", **fast)
+    relay = Relay(publisher.endpoint, f"{name}-n", 1, 4 << 20, node="node1", **fast)
+    reader = Channel.attach(f"{name}-n", 0)
+    try:
+        unregister = register_store_metrics(writer.store, registry, publisher=publisher)
+        assert sample(registry, "shmstore_relay_nodes", segment=f"{name}.store") == 0
+        publisher.start()
+        relay.start()
+        publisher.wait_for_nodes(1, 10)
+        writer.wait_for_readers(10)
+        for _ in range(2):  # a body, then a reference
+            writer.send({"x": np.arange(100_000, dtype=np.uint8)}, key="k", timeout=10)
+            reader.recv(timeout=10)
+        node = {"segment": f"{name}.store", "node": "node1"}
+        stats = publisher.stats()
+        assert sample(registry, "shmstore_relay_nodes", segment=f"{name}.store") == 1
+        assert sample(registry, "shmstore_relay_objects_sent_total", **node) == 1
+        assert sample(registry, "shmstore_relay_refs_sent_total", **node) == 1
+        assert sample(registry, "shmstore_relay_bytes_sent_total",
+                      segment=f"{name}.store") == stats.bytes_sent > 100_000
+        assert sample(registry, "shmstore_relay_unacked", **node) == stats.nodes[0].unacked
+        assert sample(registry, "shmstore_relay_lost_total", segment=f"{name}.store") == 0
+        unregister()
+    finally:
+        reader.close()
+        relay.close()
+        publisher.close()
+        writer.close()
