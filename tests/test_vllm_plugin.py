@@ -40,8 +40,8 @@ from shmstore._vllm_cache import (  # noqa: E402
     ShmstoreSenderCache,
     handle_from_item,
 )
-from shmstore._vllm_nodes import PUBLISH_ENV, WAIT_ENV  # noqa: E402
-from shmstore.relay import Relay  # noqa: E402
+from shmstore._vllm_nodes import ALLOW_ENV, KEYS_ENV, PUBLISH_ENV, WAIT_ENV  # noqa: E402
+from shmstore.relay import CurveKeys, Relay, generate_keys  # noqa: E402
 from tests._names import InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
 
 MB = 1 << 20
@@ -467,3 +467,40 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         if relay is not None:
             relay.close()
     assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(name)]
+
+
+def test_across_nodes_with_curve_keys_only_listed_relays_get_handles(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for who in ("head", "node1", "stranger"):
+        generate_keys(tmp_path, who)
+    monkeypatch.setenv(PUBLISH_ENV, "tcp://127.0.0.1:*")
+    monkeypatch.setenv(KEYS_ENV, str(tmp_path / "missing.key_secret"))
+    with pytest.raises(InvalidArgument, match="relay keygen"):
+        ShmstoreSenderCache(config(name, nodes=2))
+    monkeypatch.setenv(KEYS_ENV, str(tmp_path / "head.key_secret"))
+    monkeypatch.setenv(ALLOW_ENV, str(tmp_path / "node1.key"))
+    sender = ShmstoreSenderCache(config(name, nodes=2))
+    server = CurveKeys.load(tmp_path / "head.key").public
+    relays = []
+    try:
+        stranger = Relay(sender.publisher.endpoint, f"{name}-x", 1, 16 * MB, heartbeat_s=0.1,
+                         client_keys=CurveKeys.load(tmp_path / "stranger.key_secret"),
+                         server_key=server)
+        relays.append(stranger)
+        stranger.start()
+        time.sleep(1.0)
+        assert sender.publisher.nodes_connected == 0  # refused at the handshake
+        item = image_item(1)
+        assert sender.get_and_update_item((item, []), "h1") == (item, [])  # inline
+        listed = Relay(sender.publisher.endpoint, f"{name}-n1", 1, 16 * MB, heartbeat_s=0.1,
+                       client_keys=CurveKeys.load(tmp_path / "node1.key_secret"),
+                       server_key=server)
+        relays.append(listed)
+        listed.start()
+        sender.publisher.wait_for_nodes(1, 10)
+        assert HANDLE_FIELD in sender.get_and_update_item((image_item(2), []), "h2")[0]
+        assert stranger.stats().objects_received == 0
+    finally:
+        sender.close()
+        for relay in relays:
+            relay.close()
