@@ -49,6 +49,9 @@ Security: the Publisher binds one explicit address (a wildcard such as tcp://*:5
 every connection is encrypted and only relays whose public key is in `allowed_clients` get
 past the handshake: others can neither receive nor inject. Every message is checked against its
 schema (_wire.py) and every body is decoded with the same checks as bytes from shared memory.
+
+Modules: this one has the Relay; the Publisher is in _relay_publisher.py, and what both ends
+share (keys, checks, the serve thread) in _relay_peer.py. Import every name from here.
 """
 
 from __future__ import annotations
@@ -56,19 +59,26 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
-from ._closeable import Closeable
-from ._proc import int_arg, number_arg
+from ._relay_peer import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_PEER_TIMEOUT_S,
+    DEFAULT_WINDOW,
+    CurveKeys,
+    Peer,
+    check_curve,
+    check_endpoint,
+    generate_keys,
+    seconds_arg,
+)
+from ._relay_publisher import NodeStats, Publisher, PublisherStats
 from ._wire import (
     ACK,
     BYE,
@@ -86,504 +96,23 @@ from ._wire import (
     pack,
     parse,
 )
-from .channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelReader, ChannelWriter, RawMessage
+from .channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelWriter
 from .errors import (
-    Closed,
     CorruptObject,
     InvalidArgument,
     ObjectTooLarge,
     ProtocolError,
-    StaleHandle,
     StoreFull,
     Timeout,
-    WriterGone,
 )
-from .handle import Handle
 from .policy import DEFAULT_POLICY
-from .serde import dumps, loads
+from .serde import loads
 
 __all__ = ["Publisher", "Relay", "CurveKeys", "PublisherStats", "NodeStats", "RelayStats",
-           "generate_keys", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S", "DEFAULT_HEARTBEAT_S"]
+           "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
+           "DEFAULT_HEARTBEAT_S"]
 
 log = logging.getLogger("shmstore.relay")
-
-DEFAULT_WINDOW = 64  # messages a node may leave unacknowledged before the Publisher waits
-DEFAULT_PEER_TIMEOUT_S = 3.0  # silence after which a peer counts as gone
-DEFAULT_HEARTBEAT_S = 0.5  # PING interval when nothing else is said
-POLL_S = 0.01  # longest the Publisher waits on its channel before serving the network again
-MAX_HELD_IDS = 1 << 20  # per node; beyond it the oldest beliefs are forgotten (a resend at most)
-LINGER_MS = 1000  # how long closing waits to flush a last END/GONE/BYE
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
-
-
-@dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """A CurveZMQ key pair (z85 bytes); `secret` may be None for a peer's public key only."""
-
-    public: bytes
-    secret: bytes | None = None
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> CurveKeys:
-        """Read a key file written by `generate_keys` (NAME.key_secret, or NAME.key: public)."""
-        try:
-            public, secret = zmq.auth.load_certificate(os.fspath(path))
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"cannot read CurveZMQ keys from {os.fspath(path)!r}: {exc}; "
-                                  "make them with `shmstore relay keygen DIR NAME`",
-                                  "path", path) from None
-        return cls(public, secret)
-
-
-def generate_keys(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write a new key pair: DIR/NAME.key (public, give it to the peer) and DIR/NAME.key_secret
-    (keep it private; mode 0600). Returns both paths."""
-    os.makedirs(directory, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(os.fspath(directory), name)
-    os.chmod(secret, 0o600)
-    return Path(public), Path(secret)
-
-
-def _seconds(value: Any, argument: str) -> float:
-    seconds = number_arg(value, argument, allow_none=False)
-    if not seconds:
-        raise InvalidArgument(f"{argument} must be more than 0 seconds, got {value!r}",
-                              argument, value)
-    return float(seconds)
-
-
-def _check_curve(keys: CurveKeys | None, keys_arg: str, partner: Any, partner_arg: str,
-                 partner_what: str) -> None:
-    """CurveZMQ needs this side's key pair (with its secret) and `partner` together, or neither."""
-    if (keys is None) != (partner is None):
-        raise InvalidArgument(f"CurveZMQ needs both {keys_arg} and {partner_arg} ({partner_what}),"
-                              " or neither", partner_arg, partner)
-    if keys is not None and keys.secret is None:
-        raise InvalidArgument(f"{keys_arg} needs the secret key (NAME.key_secret)", keys_arg,
-                              keys.public)
-
-
-def check_endpoint(endpoint: str, allow_wildcard: bool) -> str:
-    """Return `endpoint` if it is tcp://HOST:PORT (or ipc://PATH) and, unless allowed, names
-    one address rather than every interface."""
-    if type(endpoint) is not str:
-        raise InvalidArgument(f"an endpoint is a str such as 'tcp://10.0.0.1:5555', got "
-                              f"{type(endpoint).__name__}", "endpoint", endpoint)
-    if endpoint.startswith("ipc://") and len(endpoint) > 6:
-        return endpoint
-    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not endpoint.startswith("tcp://") or not sep or not (port.isdigit() or port == "*"):
-        raise InvalidArgument(f"endpoint {endpoint!r} is not tcp://HOST:PORT (or ipc://PATH)",
-                              "endpoint", endpoint)
-    if host in _WILDCARD_HOSTS and not allow_wildcard:
-        raise InvalidArgument(f"endpoint {endpoint!r} listens on every interface; bind the "
-                              "address remote nodes reach (tcp://10.0.0.1:5555), or pass "
-                              "allow_wildcard=True (--allow-wildcard) on a trusted network",
-                              "endpoint", endpoint)
-    return endpoint
-
-
-class _AllowList:
-    """ZAP credentials provider: a connecting client's public key must be in the set."""
-
-    def __init__(self, keys: set[bytes]) -> None:
-        self.keys = keys
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        allowed = key in self.keys
-        if not allowed:
-            log.warning("refused a relay with an unknown CurveZMQ key %s", key[:8])
-        return allowed
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStats:
-    """One connected node as the Publisher sees it."""
-
-    name: str
-    acked: int  # messages through this number are acknowledged
-    unacked: int  # messages sent and not yet acknowledged
-    held: int  # objects the Publisher believes the node holds
-    objects_sent: int  # bodies sent (OBJECT)
-    refs_sent: int  # REFs sent instead of a body
-    bytes_sent: int  # every frame to this node, headers included
-
-
-@dataclass(frozen=True, slots=True)
-class PublisherStats:
-    """A snapshot of a Publisher."""
-
-    endpoint: str
-    messages: int  # messages read from the channel
-    nodes: tuple[NodeStats, ...]
-    nodes_joined: int
-    nodes_dropped: int  # silent for peer_timeout_s, too slow for ZeroMQ's queue, or gone
-    needs_served: int  # bodies sent again on a NEED
-    lost: int  # messages sent as LOST: cleared or damaged before they could be read
-    bad_messages: int  # dropped: not of this protocol
-    bytes_sent: int
-
-
-@dataclass
-class _Node:
-    rid: bytes
-    name: str
-    acked: int
-    last_heard: float
-    held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
-    objects_sent: int = 0
-    refs_sent: int = 0
-    bytes_sent: int = 0
-
-    def hold(self, object_id: bytes) -> None:
-        self.held[object_id] = None
-        if len(self.held) > MAX_HELD_IDS:
-            self.held.popitem(last=False)
-
-
-class _Peer(Closeable):
-    """The ZeroMQ context, socket and stop flag both ends share; close() stops serve first."""
-
-    _ctx: Any = None
-    _sock: Any = None
-    _thread: threading.Thread | None = None
-    _result: str | BaseException | None = None
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._ctx = zmq.Context()
-
-    def start(self) -> threading.Thread:
-        """Run serve() in a daemon thread; close() stops it. Returns the thread."""
-        if self._thread is not None:
-            raise InvalidArgument(f"{type(self).__name__} is already serving", "start", None)
-        thread = threading.Thread(target=self._serve_thread, name=type(self).__name__,
-                                  daemon=True)
-        self._thread = thread
-        thread.start()
-        return thread
-
-    @property
-    def serving(self) -> bool:
-        """serve() runs in the thread start() made (False before start and once it ended)."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def _serve_thread(self) -> None:
-        try:
-            self._result = self.serve()
-        except BaseException as exc:  # kept for result(); the thread must not die silently
-            log.exception("%s stopped", type(self).__name__)
-            self._result = exc
-
-    def result(self, timeout: float | None = None) -> str:
-        """Wait for a start()ed serve() to end; return why ("end", "gone", "closed") or raise
-        what it raised. Raises Timeout if it is still serving."""
-        thread = self._thread
-        if thread is None:
-            raise InvalidArgument("result() needs start() first", "result", None)
-        thread.join(timeout)
-        if thread.is_alive():
-            raise Timeout(f"{type(self).__name__} still serving after {timeout} s", timeout)
-        if isinstance(self._result, BaseException):
-            raise self._result
-        return str(self._result)
-
-    def serve(self) -> str:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        """Ask serve() to return (within ~POLL_S); safe from a signal handler or a thread."""
-        self._stop.set()
-
-    def close(self) -> None:
-        """Stop serving, then close the socket, what the subclass owns, and the context;
-        idempotent."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        self._close_socket()
-        self._close_owned()
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-
-    def _close_owned(self) -> None:
-        """Close what the subclass owns besides the socket (before the context ends)."""
-
-    def _close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=LINGER_MS)
-            self._sock = None
-
-
-class Publisher(_Peer):
-    """Forwards every message of one Channel to the relays of other nodes (see the module doc).
-
-    It is reader `reader` of channel `channel` (created with one reader more than the local
-    ones) and binds `bind`. Run `serve()` (blocks until the channel ends, the writer dies, or
-    stop()/close()) or `start()` for a thread. Only its own thread may call serve().
-    """
-
-    _reader: ChannelReader | None = None
-    _auth: Any = None
-
-    def __init__(
-        self,
-        channel: str,
-        reader: int,
-        bind: str,
-        *,
-        server_keys: CurveKeys | None = None,
-        allowed_clients: list[bytes] | None = None,
-        allow_wildcard: bool = False,
-        window: int = DEFAULT_WINDOW,
-        peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-    ) -> None:
-        check_endpoint(bind, allow_wildcard)
-        self.window = int_arg(window, "window", 1, 1 << 16)
-        self.peer_timeout_s = _seconds(peer_timeout_s, "peer_timeout_s")
-        self.heartbeat_s = _seconds(heartbeat_s, "heartbeat_s")
-        _check_curve(server_keys, "server_keys", allowed_clients, "allowed_clients",
-                     "the public keys of the relays that may connect")
-        super().__init__()
-        try:
-            self._reader = Channel.attach(channel, reader)
-            sock = self._ctx.socket(zmq.ROUTER)
-            self._sock = sock
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
-            sock.setsockopt(zmq.SNDHWM, 4 * self.window + 64)  # above the window: never hit
-            sock.setsockopt(zmq.RCVHWM, 10_000)  # relays send small messages: a bound, not a limit
-            if server_keys is not None:
-                self._auth = ThreadAuthenticator(self._ctx)
-                self._auth.start()
-                self._auth.configure_curve_callback(
-                    "*", credentials_provider=_AllowList(set(allowed_clients or ())))
-                sock.curve_server = True
-                sock.curve_secretkey = server_keys.secret
-                sock.curve_publickey = server_keys.public
-            sock.bind(bind)
-            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        except BaseException:
-            self.close()
-            raise
-        self._nodes: dict[bytes, _Node] = {}
-        self._pending: deque[tuple[int, int, Handle]] = deque()  # (msg_no, handout, handle)
-        self._msg_no = 0
-        self._last_ping = 0.0
-        self._joined = self._dropped = self._needs = self._lost = self._bad = 0
-        self._bytes_sent = 0
-
-    # -- public --------------------------------------------------------------------------------
-
-    @property
-    def nodes_connected(self) -> int:
-        """Relays connected now (WELCOMEd and not dropped); safe from another thread."""
-        return len(self._nodes)
-
-    def wait_for_nodes(self, n_nodes: int, timeout: float | None = None) -> None:
-        """Block until at least `n_nodes` relays are connected (serve() runs in a thread)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while len(self._nodes) < n_nodes:
-            if end is not None and time.monotonic() >= end:
-                raise Timeout(f"{len(self._nodes)} of {n_nodes} nodes connected to "
-                              f"{self.endpoint} within {timeout} s", timeout)
-            time.sleep(0.005)
-
-    def stats(self) -> PublisherStats:
-        """A snapshot (cheap; safe from another thread)."""
-        nodes = tuple(NodeStats(n.name, n.acked, self._msg_no - n.acked, len(n.held),
-                                n.objects_sent, n.refs_sent, n.bytes_sent)
-                      for n in list(self._nodes.values()))
-        return PublisherStats(self.endpoint, self._msg_no, nodes, self._joined, self._dropped,
-                              self._needs, self._lost, self._bad, self._bytes_sent)
-
-    def serve(self) -> str:
-        """Forward until the channel ends ("end"), its writer dies ("gone") or stop() ("closed")."""
-        reader = self._reader
-        if reader is None:
-            raise InvalidArgument("the Publisher is closed", "serve", None)
-        while not self._stop.is_set():
-            self._receive()
-            self._heartbeat()
-            self._release()
-            if self._nodes and any(self._msg_no - n.acked >= self.window
-                                   for n in self._nodes.values()):
-                self._sock.poll(int(POLL_S * 1000))  # a slow node: wait for its ACKs
-                continue
-            try:
-                with reader.recv_raw(timeout=POLL_S, keep=True) as raw:
-                    self._forward(raw)
-            except Timeout:
-                continue
-            except (CorruptObject, StaleHandle) as exc:
-                # damaged, or cleared before it was read: a local reader would get this error;
-                # the nodes get LOST for it (they skip it and count it)
-                log.warning("publisher %s: %s", self.endpoint, exc)
-                self._msg_no += 1
-                self._lost += 1
-                self._broadcast([pack(LOST, self._msg_no)])
-            except Closed:
-                self._broadcast([pack(END)])
-                return "end"
-            except WriterGone as exc:
-                self._broadcast([pack(GONE, exc.writer_pid)])
-                return "gone"
-        return "closed"
-
-    def close(self) -> None:
-        """Stop serving, close the socket (flushing a last END/GONE), the authenticator and the
-        channel reader; idempotent. Connected relays notice within peer_timeout_s."""
-        super().close()
-
-    def _close_owned(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
-
-    # -- internals -----------------------------------------------------------------------------
-
-    def _forward(self, raw: RawMessage) -> None:
-        self._msg_no += 1
-        number = self._msg_no
-        if raw.stored is None:
-            self._broadcast([pack(INLINE, number), dumps(raw.value)])
-            return
-        assert raw.handle is not None  # a stored message has one
-        object_id = raw.stored.object_id
-        frame = None
-        for node in list(self._nodes.values()):
-            if object_id in node.held:
-                node.refs_sent += 1
-                self._send(node, [pack(REF, number, object_id)])
-                continue
-            if frame is None:  # one copy for every node, taken while the chunk is pinned
-                frame = zmq.Frame(raw.stored.data, copy=True)
-            node.hold(object_id)
-            node.objects_sent += 1
-            self._send(node, [pack(OBJECT, number, object_id), frame])
-        self._pending.append((number, raw.handout, raw.handle))
-
-    def _broadcast(self, frames: list[Any]) -> None:
-        for node in list(self._nodes.values()):
-            self._send(node, frames)
-
-    def _send(self, node: _Node, frames: list[Any]) -> None:
-        try:
-            self._sock.send_multipart([node.rid, *frames], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self._drop(node, "its ZeroMQ send queue is full")
-            return
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: its connection is gone
-            self._drop(node, f"it is unreachable ({exc})")
-            return
-        nbytes = sum(len(f.buffer) if isinstance(f, zmq.Frame) else len(f) for f in frames)
-        node.bytes_sent += nbytes
-        self._bytes_sent += nbytes
-
-    def _receive(self) -> None:
-        sock = self._sock
-        for _ in range(1000):  # then forward again: a flood of relay messages cannot starve it
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            rid = frames[0]
-            try:
-                kind, fields, _ = parse(frames[1:])
-            except ProtocolError as exc:
-                self._bad += 1
-                log.warning("publisher %s: dropped a message: %s", self.endpoint, exc)
-                continue
-            if kind == HELLO:
-                self._hello(rid, fields)
-                continue
-            node = self._nodes.get(rid)
-            if node is None:
-                continue  # a peer dropped earlier: it times out and says HELLO again
-            node.last_heard = time.monotonic()
-            if kind == ACK:
-                through, evicted = fields
-                if through <= self._msg_no:
-                    node.acked = max(node.acked, through)
-                for object_id in evicted:
-                    node.held.pop(object_id, None)
-            elif kind == NEED:
-                self._need(node, fields[0])
-            elif kind == BYE:
-                self._drop(node, "it said BYE")
-            elif kind != PING:
-                self._bad += 1
-                log.warning("publisher %s: node %r sent a publisher's message kind %d",
-                            self.endpoint, node.name, kind)
-
-    def _hello(self, rid: bytes, fields: list[Any]) -> None:
-        version, name, epoch, held = fields
-        if version != PROTOCOL_VERSION:
-            self._bad += 1
-            log.warning("publisher %s: node %r speaks protocol %d, this one %d; ignored",
-                        self.endpoint, name, version, PROTOCOL_VERSION)
-            return
-        assert self._reader is not None  # serve() checked
-        node = _Node(rid, name, self._msg_no, time.monotonic())
-        if epoch == self._reader.store_epoch:
-            for object_id in held:
-                node.hold(object_id)
-        self._nodes[rid] = node
-        self._joined += 1
-        log.info("publisher %s: node %r joined at message %d, holding %d objects",
-                 self.endpoint, name, self._msg_no + 1, len(node.held))
-        self._send(node, [pack(WELCOME, PROTOCOL_VERSION, self._reader.store_epoch,
-                               self._reader.max_inline_bytes, self._reader.max_object_bytes,
-                               self._msg_no + 1)])
-
-    def _need(self, node: _Node, number: int) -> None:
-        assert self._reader is not None
-        handle = next((h for n, _, h in self._pending if n == number), None)
-        if handle is not None and number > node.acked:
-            try:
-                with self._reader.body(handle) as stored:
-                    frame = zmq.Frame(stored.data, copy=True)
-                    object_id = stored.object_id
-            except (StaleHandle, CorruptObject) as exc:
-                log.warning("publisher %s: message %d for node %r is gone: %s", self.endpoint,
-                            number, node.name, exc)
-            else:
-                self._needs += 1
-                node.hold(object_id)
-                node.objects_sent += 1
-                self._send(node, [pack(OBJECT, number, object_id), frame])
-                return
-        self._lost += 1
-        self._send(node, [pack(LOST, number)])
-
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        for node in list(self._nodes.values()):
-            if now - node.last_heard > self.peer_timeout_s:
-                self._drop(node, f"silent for {now - node.last_heard:.1f} s")
-        if now - self._last_ping >= self.heartbeat_s:
-            self._last_ping = now
-            self._broadcast([pack(PING)])
-
-    def _drop(self, node: _Node, why: str) -> None:
-        if self._nodes.pop(node.rid, None) is not None:
-            self._dropped += 1
-            log.warning("publisher %s: dropped node %r: %s", self.endpoint, node.name, why)
-
-    def _release(self) -> None:
-        """Give up objects every node has acknowledged (or all, with no node)."""
-        floor = min((n.acked for n in self._nodes.values()), default=self._msg_no)
-        last = 0
-        pending = self._pending
-        while pending and pending[0][0] <= floor:
-            last = pending.popleft()[1]
-        if last and self._reader is not None:
-            self._reader.release_through(last)
 
 
 @dataclass(frozen=True, slots=True)
@@ -604,7 +133,7 @@ class RelayStats:
     bytes_received: int
 
 
-class Relay(_Peer):
+class Relay(Peer):
     """Feeds the readers of one node from a Publisher on another node (see the module doc).
 
     It creates (and owns, and unlinks) the node's Channel `name` with `n_readers` readers;
@@ -633,12 +162,12 @@ class Relay(_Peer):
         mode: int = 0o600,
     ) -> None:
         self.connect = check_endpoint(connect, allow_wildcard=False)
-        _check_curve(client_keys, "client_keys", server_key, "server_key",
+        check_curve(client_keys, "client_keys", server_key, "server_key",
                      "the Publisher's public key")
-        self.peer_timeout_s = _seconds(peer_timeout_s, "peer_timeout_s")
-        self.heartbeat_s = _seconds(heartbeat_s, "heartbeat_s")
+        self.peer_timeout_s = seconds_arg(peer_timeout_s, "peer_timeout_s")
+        self.heartbeat_s = seconds_arg(heartbeat_s, "heartbeat_s")
         self.writer_timeout_s = (None if writer_timeout_s is None
-                                 else _seconds(writer_timeout_s, "writer_timeout_s"))
+                                 else seconds_arg(writer_timeout_s, "writer_timeout_s"))
         self.node = node if node is not None else f"{os.uname().nodename}:{os.getpid()}"
         self._keys = client_keys
         self._server_key = server_key
@@ -864,3 +393,4 @@ class Relay(_Peer):
             for k in gone:
                 del self._held[k]
             self._evicted.extend(gone)
+
