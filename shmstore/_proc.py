@@ -74,3 +74,12 @@ def number_arg(value: Any, argument: str, *, allow_none: bool) -> float | None:
         raise InvalidArgument(f"{argument} must be a number of seconds >= 0{none}, got "
                               f"{value!r:.60}", argument, value)
     return float(value)
+
+
+def seconds_arg(value: Any, argument: str) -> float:
+    """Return a positive finite number of seconds."""
+    seconds = number_arg(value, argument, allow_none=False)
+    if not seconds:
+        raise InvalidArgument(f"{argument} must be more than 0 seconds, got {value!r}",
+                              argument, value)
+    return float(seconds)

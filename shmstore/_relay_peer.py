@@ -14,13 +14,12 @@ import zmq
 import zmq.auth
 
 from ._closeable import Closeable
-from ._proc import number_arg
 from .errors import (
     InvalidArgument,
     Timeout,
 )
 
-__all__ = ["CurveKeys", "generate_keys", "check_endpoint", "check_curve", "seconds_arg",
+__all__ = ["CurveKeys", "generate_keys", "check_endpoint", "check_curve",
            "AllowList", "Peer", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S", "DEFAULT_HEARTBEAT_S",
            "POLL_S", "MAX_HELD_IDS", "LINGER_MS"]
 
@@ -61,14 +60,6 @@ def generate_keys(directory: str | os.PathLike[str], name: str) -> tuple[Path, P
     public, secret = zmq.auth.create_certificates(os.fspath(directory), name)
     os.chmod(secret, 0o600)
     return Path(public), Path(secret)
-
-
-def seconds_arg(value: Any, argument: str) -> float:
-    seconds = number_arg(value, argument, allow_none=False)
-    if not seconds:
-        raise InvalidArgument(f"{argument} must be more than 0 seconds, got {value!r}",
-                              argument, value)
-    return float(seconds)
 
 
 def check_curve(keys: CurveKeys | None, keys_arg: str, partner: Any, partner_arg: str,

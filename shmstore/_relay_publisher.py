@@ -12,7 +12,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from ._proc import int_arg
+from ._proc import int_arg, seconds_arg
 from ._relay_peer import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,
@@ -24,7 +24,6 @@ from ._relay_peer import (
     Peer,
     check_curve,
     check_endpoint,
-    seconds_arg,
 )
 from ._wire import (
     ACK,

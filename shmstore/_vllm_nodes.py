@@ -32,6 +32,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ._proc import seconds_arg
 from .channel import Channel, ChannelReader, ChannelWriter
 from .errors import (
     Closed,
@@ -220,14 +221,13 @@ FEED_ERRORS = (Timeout, Closed, WriterGone)  # what NodeFeed.get adds to a reade
 
 def _wait_seconds() -> float:
     raw = os.environ.get(WAIT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_WAIT_S
     try:
-        wait = float(raw) if raw else DEFAULT_WAIT_S
+        value: Any = float(raw)
     except ValueError:
-        wait = -1.0
-    if not 0 < wait < float("inf"):
-        raise InvalidArgument(f"{WAIT_ENV}={raw!r} is not a positive number of seconds",
-                              WAIT_ENV, raw)
-    return wait
+        value = raw
+    return seconds_arg(value, WAIT_ENV)
 
 
 def _attach_free(name: str, n_local: int) -> ChannelReader:

@@ -67,6 +67,7 @@ from typing import Any
 import zmq
 import zmq.auth
 
+from ._proc import seconds_arg
 from ._relay_peer import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,
@@ -76,7 +77,6 @@ from ._relay_peer import (
     check_curve,
     check_endpoint,
     generate_keys,
-    seconds_arg,
 )
 from ._relay_publisher import NodeStats, Publisher, PublisherStats
 from ._wire import (
