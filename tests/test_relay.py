@@ -48,9 +48,11 @@ class Net:
     """A writer channel, its Publisher (thread) and relays (threads) with one reader each."""
 
     def __init__(self, n_nodes: int, *, relay_capacity: int = 64 << 20,
-                 writer_capacity: int = 64 << 20, **publisher_kw: object) -> None:
+                 writer_capacity: int = 64 << 20, writer_inline: int = 64 << 10,
+                 **publisher_kw: object) -> None:
         self.name = new_name("relay")
-        self.writer = Channel.create(self.name, n_readers=1, capacity_bytes=writer_capacity)
+        self.writer = Channel.create(self.name, n_readers=1, capacity_bytes=writer_capacity,
+                                     inline_threshold=writer_inline)
         self.publisher = Publisher(self.name, 0, "tcp://127.0.0.1:*", **{**FAST, **publisher_kw})
         self.publisher.start()
         self.relays: list[Relay] = []
@@ -423,26 +425,14 @@ def test_small_stored_objects_are_held_on_a_node_with_a_larger_inline_threshold(
     """An object the writer stored is stored on every node, even one whose inline threshold
     is above its size: a hit is then a REF served from the node's store, not a NEED round
     trip for bytes the node let go."""
-    name = new_name("relay")
-    writer = Channel.create(name, n_readers=1, capacity_bytes=8 << 20, inline_threshold=1024)
-    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", **FAST)
-    publisher.start()
-    relay = Relay(publisher.endpoint, f"{name}-n", 1, 8 << 20, inline_threshold=256 << 10,
-                  **FAST)
-    reader = Channel.attach(f"{name}-n", 0)
+    n = Net(0, writer_capacity=8 << 20, writer_inline=1024)
     try:
-        relay.wait_for_readers(10)
-        relay.start()
-        publisher.wait_for_nodes(1, 10)
-        writer.wait_for_readers(10)
+        n.add_node(f"{n.name}-n", 8 << 20, inline_threshold=256 << 10)
         for _ in range(3):  # 20 kB: stored by the writer, below the node's 256 KiB threshold
-            send_keys(writer, [1, 2], nbytes=20_000)
-            check_received(reader, [1, 2])
-        s = relay.stats()
+            send_keys(n.writer, [1, 2], nbytes=20_000)
+            check_received(n.readers[0], [1, 2])
+        s = n.relays[0].stats()
         assert (s.objects_received, s.refs_hit, s.needs, s.lost) == (2, 4, 0, 0)
-        assert publisher.stats().nodes[0].objects_sent == 2
+        assert n.publisher.stats().nodes[0].objects_sent == 2
     finally:
-        reader.close()
-        relay.close()
-        publisher.close()
-        writer.close()
+        n.close()
