@@ -40,9 +40,10 @@ from shmstore._vllm_cache import (  # noqa: E402
     ShmstoreSenderCache,
     handle_from_item,
 )
-from shmstore._vllm_nodes import ALLOW_ENV, KEYS_ENV, PUBLISH_ENV, WAIT_ENV  # noqa: E402
+from shmstore._vllm_nodes import ALLOW_ENV, KEYS_ENV, PUBLISH_ENV, WAIT_ENV, NodeFeed  # noqa: E402
 from shmstore.relay import CurveKeys, Relay, generate_keys  # noqa: E402
-from tests._names import InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
+from tests._names import Channel, Closed, InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
+from tests.workers import fake_relay_main  # noqa: E402
 
 MB = 1 << 20
 SPAWN = mp.get_context("spawn")
@@ -504,3 +505,50 @@ def test_across_nodes_with_curve_keys_only_listed_relays_get_handles(
         sender.close()
         for relay in relays:
             relay.close()
+
+
+def test_a_node_feed_skips_what_it_cannot_use_and_follows_a_relay_that_died(name: str) -> None:
+    """The worker side alone: a relay process that sends an inline value (skipped) and an
+    object, then is SIGKILLed; the feed notices at a poll and takes a new relay's channel."""
+    sent = SPAWN.Event()
+    relay = SPAWN.Process(target=fake_relay_main, args=(name, sent))
+    relay.start()
+    feed = None
+    replacement = None
+    try:
+        deadline = time.monotonic() + 60
+        while feed is None:
+            try:
+                feed = NodeFeed(name, 1)
+            except SegmentNotFound:
+                assert time.monotonic() < deadline, "the relay process never made its channel"
+                time.sleep(0.05)
+        assert sent.wait(60)
+        feed.poll()  # the inline value is skipped (logged), the handle kept
+        assert feed.get(b"id-1") == {"x": 1}
+        os.kill(relay.pid, signal.SIGKILL)
+        relay.join()
+        deadline = time.monotonic() + 10
+        while feed.reader is not None and time.monotonic() < deadline:
+            feed.poll()  # a step: notices the dead writer within its liveness check
+            time.sleep(0.05)
+        assert feed.reader is None
+        with pytest.raises(Closed, match="waiting for a new relay"):
+            feed.get(b"id-1")
+        replacement = Channel.create(name, n_readers=1, capacity_bytes=4 << 20)  # takes over
+        deadline = time.monotonic() + 10
+        while feed.reattached == 0 and time.monotonic() < deadline:
+            feed.poll()  # a try per second
+            time.sleep(0.05)
+        assert feed.reattached == 1
+        replacement.publish(replacement.store.put(b"id-2", {"y": 2}))
+        assert feed.get(b"id-2") == {"y": 2}
+    finally:
+        if feed is not None:
+            feed.close()
+        if replacement is not None:
+            replacement.close()
+        if relay.is_alive():
+            relay.kill()
+        relay.join()
+    assert not [p for p in Path("/dev/shm").iterdir() if name in p.name]

@@ -193,3 +193,18 @@ def channel_survivor_main(name: str, reader: int, results: Any) -> None:
                      f"{type(exc).__name__}: {exc}"))
     finally:
         ch.close()
+
+
+def fake_relay_main(name: str, sent: Any) -> None:
+    """A node's relay as its readers see it: creates the node channel, waits for one reader,
+    sends one inline value and one stored object (key b"id-1"), then sleeps until killed."""
+    import time
+
+    from shmstore import Channel
+
+    channel = Channel.create(name, n_readers=1, capacity_bytes=4 << 20, inline_threshold=1024)
+    channel.wait_for_readers(60)
+    channel.send({"inline": 1})
+    channel.publish(channel.store.put(b"id-1", {"x": 1}))
+    sent.set()
+    time.sleep(600)
