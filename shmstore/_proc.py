@@ -83,3 +83,16 @@ def seconds_arg(value: Any, argument: str) -> float:
         raise InvalidArgument(f"{argument} must be more than 0 seconds, got {value!r}",
                               argument, value)
     return float(seconds)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable `name` (a positive number), `default` if unset;
+    InvalidArgument naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value: Any = float(raw)
+    except ValueError:
+        value = raw
+    return seconds_arg(value, name)

@@ -174,6 +174,7 @@ class StoreStats:
     reinsertions: int  # objects copied forward instead of dropped (policies "reinsert", "freq")
     bytes_reinserted: int  # ring bytes those copies wrote
     damaged_objects: int  # objects dropped because their header in shared memory was damaged
+    withdrawn: int  # objects dropped by withdraw() while readers still owed reads
     dead_readers: int  # readers found dead (their pid gone) and no longer waited for
     reader_lag: tuple[int, ...]  # hand-outs each reader owes on live objects
     reader_pids: tuple[int, ...]  # 0 where no reader is attached

@@ -127,7 +127,8 @@ class StoreSpace(StoreBase):
                             "cannot be read; dropping it", self.name, chunk.seq, entry.key)
                 self._damaged += 1
                 self._drop(entry)
-            elif self._policy.keep(entry.uses, chunk.chunk_bytes, self._budget):
+            elif (self._indexed(entry)
+                  and self._policy.keep(entry.uses, chunk.chunk_bytes, self._budget)):
                 return self._reinsert(entry)
             else:
                 self._evict(entry)
@@ -139,6 +140,10 @@ class StoreSpace(StoreBase):
         ring.pop_oldest(chunk)
         return ()
 
+    def _indexed(self, entry: Entry) -> bool:
+        """Whether `entry` is what its key names (not an object clear kept for its readers)."""
+        return self._index.get(entry.key) is entry
+
     def _drop(self, entry: Entry) -> None:
         entry.live = False  # first: lookups now ignore it, whatever happens next
         if self._index.get(entry.key) is entry:
@@ -147,10 +152,12 @@ class StoreSpace(StoreBase):
             del self._by_seq[entry.chunk.seq]
 
     def _evict(self, entry: Entry) -> None:
-        """Drop `entry` by the policy's decision (counted, and told to the policy)."""
+        """Drop `entry` (counted; told to the policy while its key still names it)."""
+        indexed = self._indexed(entry)
         self._drop(entry)
         self._evictions += 1
-        self._policy.evicted(entry.key, len(self._index))
+        if indexed:
+            self._policy.evicted(entry.key, len(self._index))
 
     def _reinsert(self, entry: Entry) -> tuple[int, ...]:
         """Copy a fully read object from the tail to the head; its old handles become stale."""

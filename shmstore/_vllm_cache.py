@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +51,9 @@ from vllm.multimodal.inputs import (
 )
 from vllm.utils.cache import CacheInfo
 
+from ._proc import env_seconds
 from ._vllm_nodes import FEED_ERRORS, HeadPublisher, NodeFeed, node_layout
+from ._vllm_requests import RequestLedger, numbers_in
 from .errors import (
     CorruptObject,
     InvalidArgument,
@@ -60,7 +63,7 @@ from .errors import (
     StoreFull,
     Timeout,
 )
-from .handle import Handle
+from .handle import Handle, key_digest
 from .policy import DEFAULT_POLICY
 from .store import ObjectStore, StoreReader, StoreWriter
 from .vllm_plugin import POLICY_ENV
@@ -70,8 +73,15 @@ __all__ = ["ShmstoreSenderCache", "ShmstoreReceiverCache", "install", "item_to_v
 
 log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
 HANDLE_FIELD = "shmstore_handle"
+HANDLE_WORDS = 7  # address, seq, key digest (2 words), epoch, origin seq, hand-out number
+SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread hand-outs go
+LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
+DEFAULT_SETTLE_S = 10.0  # covers the steps the engine may still run with an aborted request
+DEFAULT_LEASE_S = 120.0  # rendering to add_request takes milliseconds; this is the backstop
+READ_MEMORY = 1 << 16  # (request, hand-out) pairs a worker remembers having read
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}
+_SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
 _GIB = 1 << 30
 _MIB = 1 << 20
 
@@ -138,10 +148,12 @@ def value_to_item(value: Any) -> MultiModalKwargsItem:
         raise CorruptObject(f"stored vLLM item is not valid: {type(exc).__name__}: {exc}") from None
 
 
-def handle_item(handle: Handle, object_id: bytes) -> MultiModalKwargsItem:
+def handle_item(handle: Handle, object_id: bytes, number: int) -> MultiModalKwargsItem:
+    """The item a worker gets instead of the data: `handle`, the object's id, and the number of
+    this hand-out (a worker counts each hand-out it reads for a request once)."""
     words = [handle.address, handle.seq, int.from_bytes(handle.key_digest[:8], "little"),
              int.from_bytes(handle.key_digest[8:], "little"), handle.epoch,
-             int.from_bytes(object_id[16:], "little")]
+             int.from_bytes(object_id[16:], "little"), number]
     batched = MultiModalBatchedField()
     return MultiModalKwargsItem({
         "address": MultiModalFieldElem(data=handle.address, field=batched),
@@ -153,10 +165,21 @@ def _words(item: Any) -> list[int] | None:
     if item is None or HANDLE_FIELD not in item:
         return None
     words = item[HANDLE_FIELD].data
-    if (not isinstance(words, (list, tuple)) or len(words) != 6
+    if (not isinstance(words, (list, tuple)) or len(words) != HANDLE_WORDS
             or any(type(w) is not int or not 0 <= w < 1 << 64 for w in words)):
-        raise ValueError("malformed shmstore handle item: expected six unsigned 64-bit ints")
+        raise ValueError(f"malformed shmstore handle item: expected {HANDLE_WORDS} unsigned "
+                         "64-bit ints")
     return list(words)
+
+
+def handout_number(item: Any) -> int | None:
+    """The hand-out number a handle item carries, None for an item with data or anything that
+    is not a well-formed handle item."""
+    try:
+        words = _words(item) if isinstance(item, MultiModalKwargsItem) else None
+    except ValueError:
+        return None
+    return None if words is None else words[6]
 
 
 def object_id_from_item(item: Any) -> bytes | None:
@@ -173,7 +196,7 @@ def handle_from_item(item: Any) -> Handle | None:
     words = _words(item)
     if words is None:
         return None
-    address, seq, low, high, epoch, _ = words
+    address, seq, low, high, epoch, _, _ = words
     try:
         return Handle(address, seq, low.to_bytes(8, "little") + high.to_bytes(8, "little"), epoch)
     except (InvalidHandle, ValueError, TypeError) as exc:
@@ -183,13 +206,18 @@ def handle_from_item(item: Any) -> Handle | None:
 # -- the two caches -------------------------------------------------------------------------------
 
 class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
-    """vLLM's P0 cache, backed by one shmstore ObjectStore (this process writes it)."""
+    """vLLM's P0 cache, backed by one shmstore ObjectStore (this process writes it).
+
+    Its hand-outs follow vLLM's requests (_vllm_requests.py): the hooks `install()` puts into
+    vLLM's API process tell `ledger` when a request is added, refused or ends."""
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__()
         name, capacity, max_object = _settings(vllm_config)
         nodes, _, n_readers = node_layout(vllm_config)
         policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
+        settle_s = env_seconds(SETTLE_ENV, DEFAULT_SETTLE_S)
+        lease_s = env_seconds(LEASE_ENV, DEFAULT_LEASE_S)
 
         def make(create: Any) -> Any:
             try:
@@ -207,11 +235,14 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         else:
             self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers, **kw))
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
-        self._touched: dict[str, Handle] = {}  # hand-outs kept by touch, not yet used
+        self._touched: dict[str, tuple[Handle, int]] = {}  # kept hand-outs (and their numbers)
         self._hits = self._total = self.inline_fallbacks = 0
         self._last = CacheInfo(hits=0, total=0)
+        self.ledger = RequestLedger(self._store, settle_s, lease_s, self._is_touched)
+        self._lock = self.ledger.lock
         self._unregister_metrics = _export_metrics(self._store, lambda: self.inline_fallbacks,
-                                                   self.publisher)
+                                                   self.publisher, self.ledger)
+        _SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s, "
                  "%d readers%s", name, capacity, policy, n_readers,
                  "" if self._head is None else " on this node and the relay publisher")
@@ -225,33 +256,48 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """The relay Publisher of a TP group across nodes (shmstore.relay.Publisher), else None."""
         return None if self._head is None else self._head.publisher
 
+    def _is_touched(self, handle: Handle) -> bool:
+        return any(kept == handle for kept, _ in self._touched.values())
+
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
-        return mm_hash in self._updates and self._store.is_cached(mm_hash)
+        with self._lock:
+            return mm_hash in self._updates and self._store.is_cached(mm_hash)
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
-        if mm_hash not in self._touched and self.is_cached_item(mm_hash):
-            self._touched[mm_hash] = self._store.get_cached(mm_hash)
+        with self._lock:
+            if mm_hash not in self._touched and self.is_cached_item(mm_hash):
+                handle = self._store.get_cached(mm_hash)
+                self._touched[mm_hash] = (handle, self._store.handout_seq)
 
     def release_sender_touches(self) -> None:
-        touched, self._touched = self._touched, {}
-        for handle in touched.values():
-            try:
-                self._store.give_back(handle)
-            except StaleHandle:
-                pass  # cleared meanwhile: nothing to give back
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            for handle, _ in touched.values():
+                try:
+                    self._store.give_back(handle)
+                except StaleHandle:
+                    pass  # cleared meanwhile: nothing to give back
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+        with self._lock:
+            return self._get_and_update_item(mm_item, mm_hash)
+
+    def _get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
         self._total += 1
-        handle = self._touched.pop(mm_hash, None)
-        if handle is not None and self._head is not None:
-            # published hand-outs go out in the order they are made: renew the kept one
-            handle = self._store.hand_out_again(handle)
+        kept = self._touched.pop(mm_hash, None)
+        handle = number = None
+        if kept is not None:
+            handle, number = kept
+            if self._head is not None:
+                # published hand-outs go out in the order they are made: renew the kept one
+                handle = self._store.hand_out_again(handle)
+                number = self._store.handout_seq
         if handle is None and self.is_cached_item(mm_hash):
-            handle = self._store.get_cached(mm_hash)
-        if handle is not None:
+            handle, number = self._store.get_cached(mm_hash), self._store.handout_seq
+        if handle is not None and number is not None:
             self._hits += 1
-            out = self._hand_out(handle, mm_item, mm_hash)
+            out = self._hand_out(handle, number, mm_item, mm_hash)
             return (mm_item if out is None else out), self._updates[mm_hash]
         if mm_item is None:
             raise MultiModalCacheMissError([mm_hash])
@@ -259,22 +305,38 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if self._store.is_cached(mm_hash):  # stored, but its prompt updates were dropped
             handle = self._store.get_cached(mm_hash)
         else:
-            try:
-                handle = self._store.put(mm_hash, item_to_value(item), timeout=0)
-            except (ObjectTooLarge, StoreFull) as exc:
-                self.inline_fallbacks += 1
-                log.debug("shmstore: item %s sent inline (%s)", mm_hash, exc)
+            handle = self._put(mm_hash, item)
+            if handle is None:
                 return mm_item  # type: ignore[no-any-return]
+        number = self._store.handout_seq
         if len(self._updates) >= 2 * len(self._store) + 64:
             self._updates = {h: u for h, u in self._updates.items() if self._store.is_cached(h)}
         self._updates[mm_hash] = prompt_updates
-        out = self._hand_out(handle, mm_item, mm_hash)
+        out = self._hand_out(handle, number, mm_item, mm_hash)
         return (mm_item if out is None else (out, prompt_updates))
 
-    def _hand_out(self, handle: Handle, mm_item: Any, mm_hash: str) -> Any:
-        """The handle item for a hand-out just made; on a TP group across nodes, also sent to
-        the other nodes. None: give the data inline instead (a node's relay is not connected,
-        or too slow to take it); the hand-out is given back."""
+    def _put(self, mm_hash: str, item: Any) -> Handle | None:
+        """Store a miss; None: send it inline (too large, or the store is full even after
+        withdrawing what only ended requests held)."""
+        value = item_to_value(item)
+        for attempt in range(2):
+            try:
+                return self._store.put(mm_hash, value, timeout=0)
+            except StoreFull as exc:
+                if attempt == 0 and self.ledger.settle(full=True):
+                    continue
+                why: Exception = exc
+            except ObjectTooLarge as exc:
+                why = exc
+            self.inline_fallbacks += 1
+            log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
+            return None
+        return None  # not reached: the loop returns on its last attempt
+
+    def _hand_out(self, handle: Handle, number: int, mm_item: Any, mm_hash: str) -> Any:
+        """The handle item for hand-out `number` just made; on a TP group across nodes, also
+        sent to the other nodes. None: give the data inline instead (a node's relay is not
+        connected, or too slow to take it); the hand-out is given back."""
         head = self._head
         if head is not None:
             why = "" if head.ready() else "a node's relay is not connected"
@@ -293,29 +355,39 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
                 return None
         object_id = self._store.object_id(mm_hash)
-        assert object_id is not None  # handed out just now: cached
-        return handle_item(handle, object_id)
+        if object_id is None:  # not reached: a hand-out just made is of a cached key
+            self._store.give_back(handle)
+            raise MultiModalCacheMissError([mm_hash])
+        self.ledger.handed_out(number, handle, mm_hash)
+        return handle_item(handle, object_id, number)
 
     def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
         handle = handle_from_item(mm_item)
         if handle is None:
             return
-        if (handle != self._store.handle_of(mm_hash)
-                or object_id_from_item(mm_item) != self._store.object_id(mm_hash)):
+        with self._lock:
+            issued = (handle == self._store.handle_of(mm_hash)
+                      and object_id_from_item(mm_item) == self._store.object_id(mm_hash))
+        if not issued:
             raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
                              "server did not issue for it (forged, stale or from another "
                              "server); send the data instead")
 
     def invalidate(self, mm_hash: str) -> None:
-        if not self._store.is_cached(mm_hash):
-            self._updates.pop(mm_hash, None)
+        with self._lock:
+            if not self._store.is_cached(mm_hash):
+                self._updates.pop(mm_hash, None)
 
     def clear_cache(self) -> None:
-        self.release_sender_touches()
-        self._store.clear()
-        self._updates.clear()
-        self._hits = self._total = 0
-        self._last = CacheInfo(hits=0, total=0)
+        """vLLM's reset_mm_cache: new requests find nothing; the hand-outs of requests in
+        flight stay readable until their workers have read them."""
+        with self._lock:
+            self.release_sender_touches()
+            self._store.clear(keep_handed_out=True)
+            self.ledger.forget()
+            self._updates.clear()
+            self._hits = self._total = 0
+            self._last = CacheInfo(hits=0, total=0)
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         info = CacheInfo(hits=self._hits, total=self._total)
@@ -325,15 +397,23 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def close(self) -> None:
         self._unregister_metrics()
-        if not self._store.closed:
-            self.release_sender_touches()
-        if self._head is not None:
-            self._head.close()
-        self._store.close()
+        with self._lock:
+            if self in _SENDERS:
+                _SENDERS.remove(self)
+            if not self._store.closed:
+                self.release_sender_touches()
+            if self._head is not None:
+                self._head.close()
+            self._store.close()
 
 
 class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
-    """vLLM's cache in each worker: resolves handle items from the shared store."""
+    """vLLM's cache in each worker: resolves handle items from the shared store.
+
+    A worker counts each hand-out once per request: vLLM may send a request it preempted
+    again as new (its V2 model runner does), and the second read must not take the read a
+    later hand-out of the same object is owed. Requests with several samples (n > 1) are one
+    request each, and the sender hands the item out once for each."""
 
     def __init__(self, vllm_config: Any, shared_worker_lock: Any = None) -> None:
         super().__init__()  # shared_worker_lock: accepted, not needed (no cross-process lock)
@@ -341,6 +421,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         nodes, node_rank, n_local = node_layout(vllm_config)
         self._reader: StoreReader | None = None
         self._feed: NodeFeed | None = None
+        self._request: str | None = None  # the request whose items are being resolved
+        self._read: OrderedDict[tuple[str | None, int], None] = OrderedDict()
         if nodes > 1 and node_rank > 0:  # fed by this node's relay: attach before any request
             self._feed = NodeFeed(self._name, n_local)
         elif nodes > 1:
@@ -358,6 +440,14 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             self._reader = ObjectStore.attach(self._name, _local_rank())
         return self._reader
 
+    def features_of_request(self, request_id: str, mm_features: list[Any]) -> list[Any]:
+        """get_and_update_features for the features of one request (the worker hook)."""
+        self._request = request_id
+        try:
+            return self.get_and_update_features(mm_features)
+        finally:
+            self._request = None
+
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
         if self._feed is not None:
             self._feed.poll()  # handles that came, and a relay that ended or was replaced
@@ -369,21 +459,33 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         handle = handle_from_item(mm_item)
         if handle is None:
             return mm_item
+        if handle.key_digest != key_digest(mm_hash):
+            log.warning("shmstore: item %s carries the handle of another item; asking for it "
+                        "again", mm_hash)
+            raise MultiModalCacheMissError([mm_hash])
+        read = (self._request, mm_item[HANDLE_FIELD].data[6])
+        count = read not in self._read
         try:
             if self._feed is not None:
                 object_id = object_id_from_item(mm_item)
                 assert object_id is not None  # it carries a handle
-                return value_to_item(self._feed.get(object_id))
-            return value_to_item(self.reader.get(handle))
+                value = self._feed.get(object_id)
+            else:
+                value = self.reader.get(handle, count=count)
         except (StaleHandle, CorruptObject, *FEED_ERRORS) as exc:
             log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
             raise MultiModalCacheMissError([mm_hash]) from None
+        if count:
+            self._read[read] = None
+            if len(self._read) > READ_MEMORY:
+                self._read.popitem(last=False)
+        return value_to_item(value)
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
         return None  # the sender's hand-out already keeps the object until this worker reads it
 
     def clear_cache(self) -> None:
-        return None  # the sender's clear() makes every earlier handle stale
+        return None  # the sender's clear() keeps what requests in flight still need
 
     def close(self) -> None:
         if self._reader is not None:
@@ -392,13 +494,15 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             self._feed.close()
 
 
-def _export_metrics(store: StoreWriter, inline_fallbacks: Any, publisher: Any) -> Any:
+def _export_metrics(store: StoreWriter, inline_fallbacks: Any, publisher: Any,
+                    ledger: RequestLedger) -> Any:
     """shmstore_* metrics on prometheus_client's default registry (vLLM's /metrics)."""
     try:
         from .metrics import register_store_metrics
 
         return register_store_metrics(store, inline_fallbacks=inline_fallbacks,
-                                      publisher=publisher)
+                                      publisher=publisher, settled=lambda: dict(ledger.settled),
+                                      lock=ledger.lock)
     except ImportError:
         return lambda: None
 
@@ -430,6 +534,7 @@ def install() -> None:
             return ShmstoreReceiverCache(vllm_config, shared_worker_lock)
         return original_receiver(vllm_config, shared_worker_lock)
 
+    _install_request_hooks()
     patches = {"processor_cache_from_config": processor_cache_from_config,
                "worker_receiver_cache_from_config": worker_receiver_cache_from_config}
     for module_name in ("vllm.multimodal.cache.factories", "vllm.multimodal.cache",
@@ -442,3 +547,95 @@ def install() -> None:
         for attr, replacement in patches.items():
             if hasattr(module, attr):
                 setattr(module, attr, replacement)
+
+
+# -- hand-outs follow requests: hooks in vLLM's API process and workers ---------------------------
+
+def _feature_numbers(request: Any) -> list[int]:
+    return [n for f in (getattr(request, "mm_features", None) or [])
+            if (n := handout_number(getattr(f, "data", None))) is not None]
+
+
+def _install_request_hooks() -> None:
+    """Wrap the vLLM methods where a request is added, refused, finished or aborted (API
+    process) and where a worker resolves a new request's items; a method this vLLM lacks is
+    named in a warning, and the lease settles what it would have."""
+    import functools
+    import importlib
+
+    def add_request(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request, *args, **kwargs)
+            numbers = _feature_numbers(request)
+            if numbers:
+                for sender in _SENDERS:
+                    sender.ledger.request_added(request.request_id, numbers)
+            return result
+        return wrapper
+
+    def finish_request(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, req_state, *args, **kwargs)
+            for sender in _SENDERS:
+                sender.ledger.request_ended(req_state.request_id, aborted=False)
+            return result
+        return wrapper
+
+    def abort_requests(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            aborted = original(self, *args, **kwargs)
+            for request_id in aborted or ():
+                for sender in _SENDERS:
+                    sender.ledger.request_ended(request_id, aborted=True)
+            return aborted
+        return wrapper
+
+    def process_inputs(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, request_id: Any, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(self, request_id, prompt, *args, **kwargs)
+            except BaseException:
+                numbers = numbers_in(prompt, handout_number) if _SENDERS else []
+                for sender in _SENDERS:
+                    sender.ledger.refused(numbers)
+                raise
+        return wrapper
+
+    def apply_mm_cache(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, scheduler_output: Any) -> Any:
+            cache = getattr(self, "mm_receiver_cache", None)
+            if not isinstance(cache, ShmstoreReceiverCache):
+                return original(self, scheduler_output)
+            for req_data in scheduler_output.scheduled_new_reqs:
+                req_data.mm_features = cache.features_of_request(req_data.req_id,
+                                                                 req_data.mm_features)
+            return None
+        return wrapper
+
+    hooks = (("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", add_request),
+             ("vllm.v1.engine.output_processor", "OutputProcessor", "_finish_request",
+              finish_request),
+             ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests",
+              abort_requests),
+             ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs",
+              process_inputs),
+             ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "_apply_mm_cache",
+              apply_mm_cache))
+    for module_name, class_name, method, wrap in hooks:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            original = getattr(cls, method)
+        except (ImportError, AttributeError) as exc:
+            log.warning("shmstore vLLM plugin: no %s.%s.%s in this vLLM (%s); hand-outs it "
+                        "would settle are settled by the lease (%s)", module_name, class_name,
+                        method, exc, LEASE_ENV)
+            continue
+        if not getattr(original, "_shmstore_hook", False):
+            wrapped = wrap(original)
+            wrapped._shmstore_hook = True
+            setattr(cls, method, wrapped)

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ._proc import seconds_arg
+from ._proc import env_seconds
 from .channel import Channel, ChannelReader, ChannelWriter
 from .errors import (
     Closed,
@@ -220,14 +220,7 @@ FEED_ERRORS = (Timeout, Closed, WriterGone)  # what NodeFeed.get adds to a reade
 
 
 def _wait_seconds() -> float:
-    raw = os.environ.get(WAIT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_WAIT_S
-    try:
-        value: Any = float(raw)
-    except ValueError:
-        value = raw
-    return seconds_arg(value, WAIT_ENV)
+    return env_seconds(WAIT_ENV, DEFAULT_WAIT_S)
 
 
 def _attach_free(name: str, n_local: int) -> ChannelReader:

@@ -15,9 +15,13 @@ Every metric carries a `segment` label (the store's name); per-reader ones also 
     shmstore_reinsertions_total         objects copied forward by the reinsert or freq policy
     shmstore_reinserted_bytes_total     ring bytes those copies wrote
     shmstore_damaged_objects_total      objects dropped because shared memory was damaged
+    shmstore_withdrawn_total            objects withdrawn while readers still owed reads
     shmstore_dead_readers_total         readers found dead and no longer waited for
     shmstore_inline_fallbacks_total     values sent inline because too large or store full
                                         (only where the caller counts them: the vLLM cache)
+    shmstore_vllm_settled_total         hand-outs settled without being read, by reason
+                                        (refused, aborted, finished_unread, lease; the vLLM
+                                        cache)
     shmstore_bytes_in_use               ring bytes held by live objects
     shmstore_capacity_bytes             ring capacity
     shmstore_objects                    live objects
@@ -39,7 +43,8 @@ Needs `prometheus_client` (installed with the `vllm` extra).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from .store import StoreWriter
@@ -55,6 +60,7 @@ _COUNTERS = (
     ("reinsertions", "reinsertions", "Objects copied forward by the reinsert or freq policy"),
     ("reinserted_bytes", "bytes_reinserted", "Ring bytes written by reinsertions"),
     ("damaged_objects", "damaged_objects", "Objects dropped because shared memory was damaged"),
+    ("withdrawn", "withdrawn", "Objects withdrawn while readers still owed reads"),
     ("dead_readers", "dead_readers", "Readers found dead and no longer waited for"),
 )
 _GAUGES = (
@@ -69,17 +75,23 @@ class StoreCollector:
 
     def __init__(self, writer: StoreWriter,
                  inline_fallbacks: Callable[[], int] | None = None,
-                 publisher: Any = None) -> None:
+                 publisher: Any = None,
+                 settled: Callable[[], Mapping[str, int]] | None = None,
+                 lock: AbstractContextManager[Any] | None = None) -> None:
         self._writer = writer
         self._inline_fallbacks = inline_fallbacks
         self._publisher = publisher
+        self._settled = settled
+        self._lock = nullcontext() if lock is None else lock
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        if self._writer.closed:
-            return
-        stats = self._writer.stats()
+        with self._lock:  # the writer's own thread may be inside a call
+            if self._writer.closed:
+                return
+            stats = self._writer.stats()
+            settled = {} if self._settled is None else self._settled()
         segment = [stats.name]
         for name, field, doc in _COUNTERS:
             family = CounterMetricFamily(f"shmstore_{name}", doc, labels=["segment"])
@@ -90,6 +102,13 @@ class StoreCollector:
                                          "Values sent inline because too large or store full",
                                          labels=["segment"])
             family.add_metric(segment, self._inline_fallbacks())
+            yield family
+        if self._settled is not None:
+            family = CounterMetricFamily("shmstore_vllm_settled",
+                                         "Hand-outs settled without being read, by reason",
+                                         labels=["segment", "reason"])
+            for reason, count in settled.items():
+                family.add_metric([*segment, reason], count)
             yield family
         for name, field, doc in _GAUGES:
             gauge = GaugeMetricFamily(f"shmstore_{name}", doc, labels=["segment"])
@@ -142,13 +161,18 @@ def _relay_families(stats: Any, segment: list[str]) -> Iterator[Any]:
 
 def register_store_metrics(writer: StoreWriter, registry: Any = None,
                            inline_fallbacks: Callable[[], int] | None = None,
-                           publisher: Any = None) -> Callable[[], None]:
+                           publisher: Any = None,
+                           settled: Callable[[], Mapping[str, int]] | None = None,
+                           lock: AbstractContextManager[Any] | None = None
+                           ) -> Callable[[], None]:
     """Export `writer`'s statistics on `registry` (default: prometheus_client's), and those of
-    the relay `publisher` of its channel if given; return a function that removes them again."""
+    the relay `publisher` of its channel if given; return a function that removes them again.
+    `lock`, if given, is held around each scrape's reading of the writer (a writer used from
+    another thread takes the same lock)."""
     from prometheus_client import REGISTRY
 
     target = REGISTRY if registry is None else registry
-    collector = StoreCollector(writer, inline_fallbacks, publisher)
+    collector = StoreCollector(writer, inline_fallbacks, publisher, settled, lock)
     target.register(collector)
 
     def unregister() -> None:

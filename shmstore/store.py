@@ -195,8 +195,9 @@ class StoreReader(StoreBase):
         """Objects this reader index gave up on because they failed validation, ever."""
         return self._corrupt_reads
 
-    def get(self, handle: Handle) -> Any:
-        """Return an owned copy of the object and count one read.
+    def get(self, handle: Handle, *, count: bool = True) -> Any:
+        """Return an owned copy of the object and count one read (unless `count` is False: a
+        reader reading a hand-out it has read before, whose read is counted already).
 
         Raises:
             StaleHandle: the object was reclaimed, cleared, or the handle is from another store.
@@ -215,7 +216,7 @@ class StoreReader(StoreBase):
                                       "overwritten while it was copied (this reader's pin words "
                                       "are damaged); ask the writer to send it again",
                                       handle, self.name)
-                done = handle
+                done = handle if count else None
                 return obj
             finally:
                 self._unpin(pin, done)

@@ -82,7 +82,7 @@ class StoreWriter(StoreSpace):
         self._handout_seq = 0
         self._budget = 0
         self._puts = self._hits = self._evictions = self._give_backs = self._full_events = 0
-        self._reinsertions = self._bytes_reinserted = self._damaged = 0
+        self._reinsertions = self._bytes_reinserted = self._damaged = self._withdrawn = 0
 
     # -- the API -----------------------------------------------------------------------------
 
@@ -228,6 +228,55 @@ class StoreWriter(StoreSpace):
         self._give_backs += 1
         entry.handouts.pop()  # last: if this line ran, the give-back is done
 
+    def unread(self, handle: Handle) -> tuple[int, ...]:
+        """Reads each reader still owes on the object of `handle` (all zero once every hand-out
+        has been read or given back). No side effect.
+
+        Raises:
+            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
+        """
+        self._guard_check()
+        return tuple(self._owed(self._live_entry(handle), force=False))
+
+    def withdraw(self, handle: Handle) -> bool:
+        """Drop the object of `handle` now, even though readers still owe reads on it: for
+        hand-outs that will never be read (their requests ended) but that a reader may still
+        hold. Every handle of it becomes stale (a late read raises StaleHandle); its space is
+        reused once the ring reaches it and no reader is inside it. Return False (and do
+        nothing) if the object is gone already.
+        """
+        self._guard_enter()
+        try:
+            try:
+                entry = self._live_entry(handle)
+            except StaleHandle:
+                return False
+            self._withdrawn += 1
+            self._evict(entry)
+            return True
+        finally:
+            self._guard_leave()
+
+    def hand_out(self, handle: Handle) -> Handle:
+        """Hand the object of `handle` out once more (one more read owed by every reader), as
+        get_cached does by key; also for an object clear(keep_handed_out=True) kept for its
+        readers. Not counted as a hit. The new hand-out's number is `handout_seq`.
+
+        Raises:
+            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
+        """
+        done: list[tuple[Entry, int]] = []
+        try:
+            self._guard_enter()
+            try:
+                self._hand_out(self._live_entry(handle), done)
+                return handle
+            finally:
+                self._guard_leave()
+        except BaseException:
+            self._undo(done)
+            raise
+
     def hand_out_again(self, handle: Handle) -> Handle:
         """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
         writer that publishes its hand-outs in order (ChannelWriter.publish) and kept this one
@@ -246,37 +295,52 @@ class StoreWriter(StoreSpace):
         finally:
             self._guard_leave()
 
-    def _handed_out(self, handle: Handle) -> Entry:
-        """The live entry of `handle` with a hand-out to take back; StaleHandle if none."""
+    def _live_entry(self, handle: Handle) -> Entry:
+        """The live entry of `handle` (indexed or kept by clear for its readers); StaleHandle
+        if none."""
         self._check_handle(handle)
         entry = self._by_seq.get(handle.seq)
         if entry is None or not entry.live or entry.handle != handle:
             raise StaleHandle(f"handle {handle} names no live object in store {self.name!r}; "
                               "it was reclaimed or cleared already", handle, self.name)
+        return entry
+
+    def _handed_out(self, handle: Handle) -> Entry:
+        """The live entry of `handle` with a hand-out to take back; StaleHandle if none."""
+        entry = self._live_entry(handle)
         if not entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out left to give back in store "
                               f"{self.name!r}; give each hand-out back at most once",
                               handle, self.name)
         return entry
 
-    def clear(self) -> None:
-        """Drop every object: every handle issued before now becomes stale.
+    def clear(self, *, keep_handed_out: bool = False) -> None:
+        """Forget every key: the store is empty to lookups and puts from now on.
 
-        A reader already inside an object (get or view in progress) finishes with the bytes it
-        started with: their space is reused only after it leaves.
+        Without `keep_handed_out`, every object goes and every handle issued before now becomes
+        stale. With it, an object some reader still owes reads on stays readable under its
+        handles until those reads are done (or it is given back or withdrawn), then goes like
+        any other; a put of its key meanwhile stores a new object. Either way a reader already
+        inside an object (get or view in progress) finishes with the bytes it started with:
+        their space is reused only after it leaves.
         """
         self._guard_enter()
         try:
             ring = self._writer_ring
             for chunk in ring:
                 entry = chunk.owner
-                if entry is not None and entry.live:
-                    self._drop(entry)
-                    self._evictions += 1
+                if entry is None or not entry.live:
+                    continue
+                if keep_handed_out and any(self._owed(entry, force=False)):
+                    entry.uses = 0  # out of the index: never copied forward
+                    continue
+                self._drop(entry)
+                self._evictions += 1
             self._index.clear()
             self._policy.clear()
             for chunk in ring:
-                if not chunk.tombstoned and not (chunk.owner and chunk.owner.reserved):
+                owner = chunk.owner
+                if not chunk.tombstoned and not (owner and (owner.reserved or owner.live)):
                     ring.tombstone(chunk)
             while ((oldest := ring.oldest()) is not None and oldest.tombstoned
                    and not self._ledger.pinned_by(oldest.seq)):
@@ -324,6 +388,7 @@ class StoreWriter(StoreSpace):
             hits=self._hits, evictions=self._evictions, give_backs=self._give_backs,
             full_events=self._full_events, reinsertions=self._reinsertions,
             bytes_reinserted=self._bytes_reinserted, damaged_objects=self._damaged,
+            withdrawn=self._withdrawn,
             dead_readers=self._liveness.dead_readers, reader_lag=tuple(lag),
             reader_pids=tuple(table.owner(r)[0] for r in range(self.n_readers)),
             corrupt_reads=tuple(words.load_acquire(table.row(r) + ROW_CORRUPT_READS)

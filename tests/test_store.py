@@ -330,3 +330,98 @@ def test_put_timeout_waits_then_names_the_reader(store) -> None:
         r0.get(h)
     with pytest.raises(StoreFull, match=r"after waiting 0.05 s.*reader\(s\) \[1\]"):
         w.put("x", blob(0), timeout=0.05)
+
+
+def test_unread_says_what_each_reader_owes_and_withdraw_frees_an_owed_object(store) -> None:
+    w, readers = store
+    h = w.put("owed", blob(0))
+    w.get_cached("owed")
+    assert w.unread(h) == (2, 2)
+    readers[0].get(h)
+    assert w.unread(h) == (1, 2)
+    # nobody will read the rest (their requests ended): the store would stay full without it
+    for i in range(1, 6):  # six fit
+        read_all(readers, w.put(f"k{i}", blob(i)))
+    with pytest.raises(StoreFull, match="still owed"):
+        w.put("k6", blob(6))
+    assert w.withdraw(h) is True and not w.is_cached("owed")
+    assert w.withdraw(h) is False  # gone already: nothing to do
+    with pytest.raises(StaleHandle):
+        w.unread(h)
+    with pytest.raises(StaleHandle):
+        w.give_back(h)
+    read_all(readers, w.put("k6", blob(6)))  # the space came back
+    with pytest.raises(StaleHandle):  # a late read fails loudly, never other data
+        readers[1].get(h)
+    assert w.stats().withdrawn == 1
+
+
+def test_withdraw_waits_for_a_reader_inside_the_object(store) -> None:
+    w, readers = store
+    h = w.put("inside", blob(7))
+    with readers[0].view(h) as arr:
+        assert w.withdraw(h)
+        for i in range(1, 6):
+            read_all(readers, w.put(f"k{i}", blob(i)))
+        with pytest.raises(StoreFull):  # the viewed bytes stay put while the view is open
+            w.put("k6", blob(6))
+        assert (arr == 7).all()
+    read_all(readers, w.put("k6", blob(6)))
+
+
+def test_a_second_read_that_is_not_counted_leaves_the_hand_out_owed(store) -> None:
+    w, readers = store
+    h = w.put("twice", blob(3))
+    w.get_cached("twice")
+    readers[0].get(h)
+    assert (readers[0].get(h, count=False) == 3).all()
+    assert w.unread(h) == (1, 2)  # the second hand-out is still owed to reader 0
+
+
+def test_clear_keeping_hand_outs_keeps_owed_objects_readable_until_read(store) -> None:
+    w, readers = store
+    owed = w.put("owed", blob(1))
+    done = w.put("done", blob(2))
+    read_all(readers, done)
+    w.clear(keep_handed_out=True)
+    assert not w.is_cached("owed") and not w.is_cached("done") and len(w) == 0
+    with pytest.raises(StaleHandle):
+        readers[0].get(done)  # nobody owed it: gone
+    fresh = w.put("owed", blob(9))  # the key names a new object from now on
+    assert fresh != owed and w.unread(owed) == (1, 1)
+    for r in readers:
+        assert (r.get(owed) == 1).all()  # the in-flight hand-out still reads its own bytes
+        assert (r.get(fresh) == 9).all()
+    for i in range(3, 12):  # once read, the kept object goes like any other, never copied
+        read_all(readers, w.put(f"k{i}", blob(i)))
+    with pytest.raises(StaleHandle):
+        readers[0].get(owed)
+    assert w.stats().reinsertions == 0
+
+
+def test_clear_keeping_hand_outs_still_lets_give_back_and_withdraw_settle_them(store) -> None:
+    w, readers = store
+    a, b = w.put("a", blob(1)), w.put("b", blob(2))
+    w.clear(keep_handed_out=True)
+    w.give_back(a)
+    assert w.withdraw(b)
+    for i in range(3, 12):
+        read_all(readers, w.put(f"k{i}", blob(i)))  # neither blocks the ring
+    for h in (a, b):
+        with pytest.raises(StaleHandle):
+            readers[0].get(h)
+
+
+def test_hand_out_adds_one_read_per_reader_also_for_a_kept_object(store) -> None:
+    w, readers = store
+    h = w.put("twice", blob(4))
+    w.clear(keep_handed_out=True)
+    assert w.hand_out(h) == h and w.unread(h) == (2, 2)
+    assert w.stats().hits == 0  # not a hit: nobody asked by key
+    read_all(readers, h)
+    read_all(readers, h)
+    assert w.unread(h) == (0, 0)
+    for i in range(1, 8):
+        read_all(readers, w.put(f"k{i}", blob(i)))
+    with pytest.raises(StaleHandle):
+        w.hand_out(h)

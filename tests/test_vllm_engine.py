@@ -28,6 +28,7 @@ from tests.tiny_llava import build
 
 pytestmark = pytest.mark.timeout(600)
 RUNNER = Path(__file__).with_name("vllm_engine_run.py")
+REQUESTS_RUNNER = Path(__file__).with_name("vllm_requests_run.py")
 
 
 def engine_env(segment: str, **extra: str) -> dict[str, str]:
@@ -38,11 +39,12 @@ def engine_env(segment: str, **extra: str) -> dict[str, str]:
 
 
 def run_engine(model: Path, cache_type: str, tp: int, segment: str, *nodes: int,
-               **extra: str) -> dict[str, Any]:
+               runner: Path = RUNNER, **extra: str) -> dict[str, Any]:
     env = engine_env(segment, **extra)
     if tp == 2 and not nodes:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    done = subprocess.run([sys.executable, str(RUNNER), str(model), cache_type, str(tp),
+    args = [cache_type] if runner == RUNNER else []
+    done = subprocess.run([sys.executable, str(runner), str(model), *args, str(tp),
                            *map(str, nodes)], capture_output=True, text=True, timeout=540, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert done.returncode == 0 and lines, (done.stdout[-3000:], done.stderr[-6000:])
@@ -80,6 +82,29 @@ def test_shmstore_serves_vllms_shm_cache_with_identical_outputs(
     pids = report["reader_pids"]
     assert all(pids) and len(set(pids)) == tp  # each TP rank attached as its own reader
     assert not Path("/dev/shm", segment).exists()  # the engine's exit unlinked it
+
+
+def test_refused_and_aborted_requests_never_wedge_the_store_and_reset_keeps_requests_served(
+        model: Path, lru_tokens: list[list[int]]) -> None:
+    """TP 2, a store of about six images: one request vLLM refuses after rendering and three
+    aborted before the engine steps, then rounds of new images; reset_mm_cache with six
+    requests queued (tests/vllm_requests_run.py)."""
+    segment = new_name("vllm-req")
+    report = run_engine(model, "shm", 2, segment, runner=REQUESTS_RUNNER,
+                        SHMSTORE_VLLM_SETTLE_S="1", RUN_WAIT_S="1.5")
+    assert "longer than the maximum model length" in report["refused_error"]
+    assert report["after_abuse"]["refused"] == 1  # given back at once
+    # aborted hand-outs no worker read were withdrawn once the store needed the space, so
+    # no round sent an item inline (without settling: 0, 0, 6)
+    assert report["inline_per_round"] == [0, 0, 0], report["settled"]
+    assert report["settled"]["aborted"] == report["withdrawn"] <= 3
+    # reset_mm_cache with six requests queued: the engine lives, the outputs are right
+    assert report["tokens"] == lru_tokens
+    assert report["tokens_across_reset"] == lru_tokens
+    assert report["tokens_after_reset"] == lru_tokens
+    assert report["reader_lag"] == [0, 0] and report["corrupt_reads"] == [0, 0]
+    assert report["live_requests"] == 0  # every request the ledger saw has ended
+    assert not Path("/dev/shm", segment).exists()
 
 
 def free_port() -> int:

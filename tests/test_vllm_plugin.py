@@ -194,12 +194,16 @@ def test_oversize_and_full_are_sent_inline_never_dropped(name: str) -> None:
         sender.close()
 
 
-def test_clear_makes_every_earlier_handle_fail_loudly(caches: Any) -> None:
+def test_clear_keeps_hand_outs_in_flight_and_then_fails_loudly(caches: Any) -> None:
     sender, receivers = caches
-    out, _ = sender.get_and_update_item((image_item(4), []), "h4")
+    item = image_item(4)
+    out, _ = sender.get_and_update_item((item, []), "h4")
     sender.clear_cache()
-    assert not sender.is_cached_item("h4")
-    with pytest.raises(MultiModalCacheMissError) as info:
+    assert not sender.is_cached_item("h4")  # new requests find nothing
+    assert same_item(receivers[0].get_and_update_item(over_the_wire(out), "h4"), item)
+    receivers[1].get_and_update_item(over_the_wire(out), "h4")  # the request in flight is served
+    sender.clear_cache()
+    with pytest.raises(MultiModalCacheMissError) as info:  # read by all: now it is gone
         receivers[0].get_and_update_item(over_the_wire(out), "h4")
     assert info.value.mm_hashes == ["h4"]
 
