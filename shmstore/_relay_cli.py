@@ -67,6 +67,11 @@ def _stop_on_signals(peer: Any) -> None:
         signal.signal(signum, handler)
 
 
+def _given(value: Any, default: Any) -> Any:
+    """An option's value if it was given (0 included: the API refuses it, naming it)."""
+    return default if value is None else value
+
+
 def main(args: argparse.Namespace) -> int:
     from .errors import ShmStoreError
     from .relay import (
@@ -90,9 +95,9 @@ def main(args: argparse.Namespace) -> int:
             allowed = [CurveKeys.load(path).public for path in args.allow] if args.allow else None
             with Publisher(args.channel, args.reader, args.bind, server_keys=keys,
                            allowed_clients=allowed, allow_wildcard=args.allow_wildcard,
-                           window=args.window or DEFAULT_WINDOW,
-                           peer_timeout_s=args.peer_timeout or DEFAULT_PEER_TIMEOUT_S,
-                           heartbeat_s=args.heartbeat or DEFAULT_HEARTBEAT_S) as publisher:
+                           window=_given(args.window, DEFAULT_WINDOW),
+                           peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
+                           heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S)) as publisher:
                 _stop_on_signals(publisher)
                 print(f"publishing channel {args.channel!r} on {publisher.endpoint}", flush=True)
                 why = publisher.serve()
@@ -102,8 +107,8 @@ def main(args: argparse.Namespace) -> int:
         server = CurveKeys.load(args.server_key).public if args.server_key else None
         with Relay(args.endpoint, args.name, args.readers, args.capacity, client_keys=keys,
                    server_key=server, writer_timeout_s=args.writer_timeout,
-                   peer_timeout_s=args.peer_timeout or DEFAULT_PEER_TIMEOUT_S,
-                   heartbeat_s=args.heartbeat or DEFAULT_HEARTBEAT_S) as relay:
+                   peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
+                   heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S)) as relay:
             _stop_on_signals(relay)
             if not args.no_wait:
                 print(f"channel {relay.name!r}: waiting for {args.readers} local reader(s)",

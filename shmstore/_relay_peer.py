@@ -3,8 +3,10 @@ and argument checks, the defaults, and Peer (the ZeroMQ context, socket and serv
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,6 @@ DEFAULT_HEARTBEAT_S = 0.5  # PING interval when nothing else is said
 POLL_S = 0.01  # longest the Publisher waits on its channel before serving the network again
 MAX_HELD_IDS = 1 << 20  # per node; beyond it the oldest beliefs are forgotten (a resend at most)
 LINGER_MS = 1000  # how long closing waits to flush a last END/GONE/BYE
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +86,36 @@ def check_endpoint(endpoint: str, allow_wildcard: bool) -> str:
     if not endpoint.startswith("tcp://") or not sep or not (port.isdigit() or port == "*"):
         raise InvalidArgument(f"endpoint {endpoint!r} is not tcp://HOST:PORT (or ipc://PATH)",
                               "endpoint", endpoint)
-    if host in _WILDCARD_HOSTS and not allow_wildcard:
+    if not allow_wildcard and _unspecified(host):
         raise InvalidArgument(f"endpoint {endpoint!r} listens on every interface; bind the "
                               "address remote nodes reach (tcp://10.0.0.1:5555), or pass "
                               "allow_wildcard=True (--allow-wildcard) on a trusted network",
                               "endpoint", endpoint)
     return endpoint
+
+
+def _unspecified(host: str) -> bool:
+    """Whether binding `host` listens on every interface: `*`, an empty host, or any spelling
+    of 0.0.0.0 or :: (`0`, `0x0`, `0.0`, `00.0.0.0`, `[::0]`, ...), or a name resolving to one."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_unspecified
+    except ValueError:
+        pass
+    try:  # the forms inet_aton (and so the resolver zmq uses) takes: 0, 0x0, 0.0, 00.0.0.0
+        return socket.inet_aton(host) == bytes(4)
+    except OSError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False  # unresolvable: binding it fails, naming it
+    return any(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_unspecified
+               for info in infos)
 
 
 class AllowList:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -35,12 +36,22 @@ def list_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
     found = []
     for entry in sorted(os.listdir(shm_dir)):
         path = os.path.join(shm_dir, entry)
-        try:
-            with open(path, "rb") as f:
-                header = f.read(SEGMENT_HEADER.size)
-                size = os.fstat(f.fileno()).st_size
+        try:  # only regular files, opened so that nothing blocks (anyone may put a FIFO here)
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            header = os.pread(fd, SEGMENT_HEADER.size, 0)
+            size = st.st_size
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
         if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
             continue
         magic, _, kind, n_readers, _, _, _, pid, _, created_ns = SEGMENT_HEADER.unpack(header)

@@ -29,6 +29,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 import warnings
@@ -315,6 +316,8 @@ class Segment(Closeable):
             SegmentExists: the writer is alive (never removes a live segment).
         """
         validate_name(name)
+        if not _regular_file(name):
+            return False  # nothing, or not shared memory: not ours to remove
         pid = _peek_writer_pid(name)
         if pid is not None and pid_alive(pid):
             raise _exists_error(name)
@@ -413,6 +416,12 @@ def _reserve(fd: int, name: str, total_bytes: int) -> None:
 
 
 def _exists_error(name: str) -> SegmentExists:
+    if not _regular_file(name):
+        return SegmentExists(
+            f"{SHM_DIR}/{name} exists and is not a shared-memory object (a FIFO, socket, device, "
+            "directory or link that someone made there): choose another name, or remove it if "
+            "nothing uses it", name, None, False
+        )
     pid = _peek_writer_pid(name)
     if pid is None:
         return SegmentExists(
@@ -451,15 +460,28 @@ def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
         raise _exists_error(name) from None
 
 
+def _regular_file(name: str) -> bool:
+    """Whether SHM_DIR/name is a regular file (what shm_open makes), without opening it: a FIFO
+    opened for reading would block, and one opened read-write cannot be read at an offset."""
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(SHM_DIR, name)).st_mode)
+    except OSError:
+        return False
+
+
 def peek_header(name: str) -> tuple[int, int, int] | None:
     """(kind, n_readers, writer pid) of a shmstore segment, complete or being made, read without
-    mapping it; None if there is none of that name."""
+    mapping it; None if there is none of that name (or only something that is not one)."""
+    if not _regular_file(name):
+        return None
     try:
         shm = posix_ipc.SharedMemory(_posix_name(name))
     except posix_ipc.Error:
         return None
     try:
         header = os.pread(shm.fd, SEGMENT_HEADER.size, 0)
+    except OSError:  # replaced by something that is not a file meanwhile
+        return None
     finally:
         shm.close_fd()
     if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):

@@ -9,7 +9,8 @@ With `mm_processor_cache_type="shm"` (vLLM's `--mm-processor-cache-type shm`), t
 (API process) and each worker's receiver cache become shmstore's (`_vllm_cache.py`). Every other
 cache type is left to vLLM. Environment:
 
-    SHMSTORE_VLLM=0                     turn the plugin off: vLLM's own shm cache comes back
+    SHMSTORE_VLLM=0 (false, off, no)    turn the plugin off: vLLM's own shm cache comes back;
+                                        1, true, on, yes or unset: on; anything else is refused
     VLLM_OBJECT_STORAGE_SHM_POLICY      fifo | reinsert | freq (default freq): the store's policy
     VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME vLLM's: the shared-memory name (kept)
 
@@ -28,10 +29,33 @@ POLICY_ENV = "VLLM_OBJECT_STORAGE_SHM_POLICY"
 _registered = False
 
 
+_SWITCH = {"1": True, "true": True, "on": True, "yes": True,
+           "0": False, "false": False, "off": False, "no": False}
+
+
+def enabled() -> bool:
+    """Whether SHMSTORE_VLLM leaves the plugin on (unset: on).
+
+    Raises:
+        InvalidArgument: the value is none of 0/1, false/true, off/on, no/yes.
+    """
+    raw = os.environ.get(ENABLE_ENV)
+    if raw is None or not raw.strip():
+        return True
+    value = _SWITCH.get(raw.strip().lower())
+    if value is None:
+        from .errors import InvalidArgument
+
+        raise InvalidArgument(f"{ENABLE_ENV}={raw!r} is not a switch: set it to 0, false or off "
+                              "to turn the shmstore vLLM plugin off, or 1, true or on (or unset "
+                              "it) to keep it on", ENABLE_ENV, raw)
+    return value
+
+
 def register() -> None:
     """vLLM's entry point: route the `shm` processor cache to shmstore (idempotent)."""
     global _registered
-    if _registered or os.environ.get(ENABLE_ENV, "1").strip() == "0":
+    if not enabled() or _registered:
         return
     from ._vllm_cache import install
 

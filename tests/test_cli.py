@@ -48,3 +48,38 @@ def test_ls_rm_gc() -> None:
         assert not os.path.exists(f"/dev/shm/sem.{dead_queue}.r1")
         assert os.path.exists(f"/dev/shm/{live}")  # never a live one
     assert live not in cli("ls").stdout
+
+
+def test_a_fifo_in_dev_shm_blocks_nothing_and_is_never_taken_for_a_segment() -> None:
+    """Any user can make a FIFO in /dev/shm; opening it to read would block for ever."""
+    import pytest
+
+    from tests._names import SegmentExists
+
+    fifo = new_name("fifo")
+    path = f"/dev/shm/{fifo}"
+    os.mkfifo(path)
+    try:
+        for args in (("ls",), ("rm", fifo), ("gc",)):
+            done = cli(*args)  # each within the 60 s timeout, or it raises
+            assert "Traceback" not in done.stderr, (args, done.stderr)
+        assert fifo not in cli("ls").stdout
+        assert "no shmstore segment" in cli("rm", fifo).stdout
+        with pytest.raises(SegmentExists, match="not a shared-memory object") as info:
+            ObjectStore.create(fifo, capacity_bytes=1 << 20, n_readers=1)
+        assert info.value.name == fifo
+        assert os.path.exists(path)  # not ours: left where it was
+    finally:
+        os.unlink(path)
+
+
+def test_relay_options_of_zero_are_refused_not_replaced_by_defaults() -> None:
+    serve = ("relay", "serve", new_name("nochan"), "--reader", "0", "--bind",
+             "tcp://127.0.0.1:1")
+    for option, named in (("--window", "window"), ("--peer-timeout", "peer_timeout_s"),
+                          ("--heartbeat", "heartbeat_s")):
+        done = cli(*serve, option, "0")
+        assert done.returncode == 2 and named in done.stderr, (option, done.stderr)
+    done = cli("relay", "connect", "tcp://127.0.0.1:1", "--name", new_name("x"), "--readers", "1",
+               "--peer-timeout", "0")
+    assert done.returncode == 2 and "peer_timeout_s" in done.stderr, done.stderr

@@ -317,11 +317,27 @@ def test_a_forged_object_body_is_not_delivered() -> None:
 # -- addresses, keys, arguments ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:1"])
+@pytest.mark.parametrize("endpoint", [
+    "tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:1", "tcp://:1",
+    # other spellings of the unspecified address, which zmq binds as such
+    "tcp://0:5555", "tcp://0x0:5555", "tcp://0.0:5555", "tcp://00.0.0.0:5555", "tcp://0000:5555",
+    "tcp://[::0]:5555", "tcp://[0:0:0:0:0:0:0:0]:5555"])
 def test_wildcard_bind_is_refused_unless_allowed(endpoint: str) -> None:
     with pytest.raises(InvalidArgument, match="every interface"):
         check_endpoint(endpoint, allow_wildcard=False)
     assert check_endpoint(endpoint, allow_wildcard=True) == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://10.0.0.1:1", "tcp://[::1]:1",
+                                      "tcp://localhost:1", "tcp://no-such-host.invalid:1"])
+def test_one_address_is_accepted(endpoint: str) -> None:
+    assert check_endpoint(endpoint, allow_wildcard=False) == endpoint
+
+
+def test_a_publisher_given_tcp_0_binds_nothing_without_allow_wildcard() -> None:
+    name = new_name("zero")
+    with Channel.create(name, 1, 1 << 20), pytest.raises(InvalidArgument, match="every interface"):
+        Publisher(name, 0, "tcp://0:0")
 
 
 @pytest.mark.parametrize("endpoint", ["10.0.0.1:5555", "tcp://host", "udp://h:1", 5555])

@@ -309,6 +309,28 @@ def test_the_plugin_routes_only_the_shm_type_and_can_be_turned_off(name: str) ->
     assert off.stdout.strip() == "vllm.multimodal.cache.factories", off.stderr[-2000:]
 
 
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("False", False),
+                                           ("no", False), (" 1 ", True), ("on", True),
+                                           ("TRUE", True), ("", True)])
+def test_shmstore_vllm_accepts_the_usual_switch_words(value: str, on: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmstore import vllm_plugin
+
+    monkeypatch.setenv("SHMSTORE_VLLM", value)
+    assert vllm_plugin.enabled() is on
+
+
+@pytest.mark.parametrize("value", ["2", "disable", "of", "0n"])
+def test_shmstore_vllm_refuses_anything_else_naming_the_variable(
+        value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmstore import vllm_plugin
+
+    monkeypatch.setenv("SHMSTORE_VLLM", value)
+    with pytest.raises(InvalidArgument, match=r"SHMSTORE_VLLM=.* is not a switch") as info:
+        vllm_plugin.register()
+    assert info.value.argument == "SHMSTORE_VLLM"
+
+
 def test_store_statistics_are_exported_as_prometheus_metrics(caches: Any) -> None:
     from prometheus_client import generate_latest
 
