@@ -48,7 +48,8 @@ def items(n: int, nbytes: int) -> list[tuple[str, np.ndarray]]:
 
 
 def relay_node(endpoint: str, name: str, ready: Any) -> None:
-    with Relay(endpoint, name, READERS_PER_NODE, 256 << 20, peer_timeout_s=30) as relay:
+    with Relay(endpoint, name, READERS_PER_NODE, 256 << 20, peer_timeout_s=30,
+               allow_plaintext=True) as relay:
         ready.put("up")
         relay.wait_for_readers(60)
         relay.serve()
@@ -94,7 +95,8 @@ def bench_relay(n: int, nbytes: int) -> tuple[float, int]:
     ready = CTX.Queue()
     procs = []
     with Channel.create(name, 1, 256 << 20) as writer:
-        with Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=30) as pub:
+        with Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=30,
+                       allow_plaintext=True) as pub:
             pub.start()
             for node in range(N_NODES):
                 p = CTX.Process(target=relay_node, args=(pub.endpoint, f"{name}-n{node}", ready))

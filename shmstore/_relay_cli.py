@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="silence after which the other side counts as gone (default 3)")
         sub.add_argument("--heartbeat", type=float, default=None, metavar="SECONDS",
                          help="PING interval (default 0.5)")
+        sub.add_argument("--insecure", action="store_true",
+                         help="plain TCP without CurveZMQ keys: anyone who reaches the port can "
+                              "join (or pose as the publisher); only on a trusted network")
     keygen = commands.add_parser("keygen", help="write a CurveZMQ key pair")
     keygen.add_argument("directory")
     keygen.add_argument("name")
@@ -95,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
             allowed = [CurveKeys.load(path).public for path in args.allow] if args.allow else None
             with Publisher(args.channel, args.reader, args.bind, server_keys=keys,
                            allowed_clients=allowed, allow_wildcard=args.allow_wildcard,
+                           allow_plaintext=args.insecure,
                            window=_given(args.window, DEFAULT_WINDOW),
                            peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
                            heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S)) as publisher:
@@ -106,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
         keys = CurveKeys.load(args.keys) if args.keys else None
         server = CurveKeys.load(args.server_key).public if args.server_key else None
         with Relay(args.endpoint, args.name, args.readers, args.capacity, client_keys=keys,
-                   server_key=server, writer_timeout_s=args.writer_timeout,
+                   server_key=server, allow_plaintext=args.insecure,
+                   writer_timeout_s=args.writer_timeout,
                    peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
                    heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S)) as relay:
             _stop_on_signals(relay)

@@ -21,9 +21,9 @@ from .errors import (
     Timeout,
 )
 
-__all__ = ["CurveKeys", "generate_keys", "check_endpoint", "check_curve",
+__all__ = ["CurveKeys", "generate_keys", "check_endpoint", "check_curve", "check_plaintext",
            "AllowList", "Peer", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S", "DEFAULT_HEARTBEAT_S",
-           "POLL_S", "MAX_HELD_IDS", "LINGER_MS"]
+           "DEFAULT_MAX_NODES", "DEFAULT_ACK_TIMEOUT_S", "POLL_S", "MAX_HELD_IDS", "LINGER_MS"]
 
 log = logging.getLogger("shmstore.relay")
 
@@ -31,7 +31,9 @@ DEFAULT_WINDOW = 64  # messages a node may leave unacknowledged before the Publi
 DEFAULT_PEER_TIMEOUT_S = 3.0  # silence after which a peer counts as gone
 DEFAULT_HEARTBEAT_S = 0.5  # PING interval when nothing else is said
 POLL_S = 0.01  # longest the Publisher waits on its channel before serving the network again
-MAX_HELD_IDS = 1 << 20  # per node; beyond it the oldest beliefs are forgotten (a resend at most)
+MAX_HELD_IDS = 1 << 16  # per node; beyond it the oldest beliefs are forgotten (a resend at most)
+DEFAULT_MAX_NODES = 64  # relays one Publisher serves at once; more are refused
+DEFAULT_ACK_TIMEOUT_S = 10.0  # a node that acknowledges nothing for this long while behind is dropped
 LINGER_MS = 1000  # how long closing waits to flush a last END/GONE/BYE
 
 
@@ -72,6 +74,24 @@ def check_curve(keys: CurveKeys | None, keys_arg: str, partner: Any, partner_arg
     if keys is not None and keys.secret is None:
         raise InvalidArgument(f"{keys_arg} needs the secret key (NAME.key_secret)", keys_arg,
                               keys.public)
+
+
+def check_plaintext(keys: Any, endpoint: str, allow_plaintext: bool, who: str,
+                    keys_arg: str) -> None:
+    """Refuse plain TCP unless asked for (anyone who reaches the port could join or pose as a
+    peer); warn when it is asked for."""
+    if keys is not None or endpoint.startswith("ipc://"):
+        return
+    if not allow_plaintext:
+        raise InvalidArgument(
+            f"{who} on {endpoint} without CurveZMQ keys: any host that reaches it could "
+            f"{'receive every stored tensor' if who == 'publisher' else 'feed this node data'}. "
+            f"Make keys with `shmstore relay keygen DIR NAME` and pass {keys_arg} (--keys, "
+            "--allow / --server-key), or pass allow_plaintext=True (--insecure) on a trusted "
+            "network", "allow_plaintext", allow_plaintext)
+    log.warning("%s on %s runs WITHOUT encryption or authentication (allow_plaintext): any "
+                "host that reaches it can join; use CurveZMQ keys off a trusted network",
+                who, endpoint)
 
 
 def check_endpoint(endpoint: str, allow_wildcard: bool) -> str:

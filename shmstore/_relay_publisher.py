@@ -14,7 +14,9 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from ._proc import int_arg, seconds_arg
 from ._relay_peer import (
+    DEFAULT_ACK_TIMEOUT_S,
     DEFAULT_HEARTBEAT_S,
+    DEFAULT_MAX_NODES,
     DEFAULT_PEER_TIMEOUT_S,
     DEFAULT_WINDOW,
     MAX_HELD_IDS,
@@ -24,6 +26,7 @@ from ._relay_peer import (
     Peer,
     check_curve,
     check_endpoint,
+    check_plaintext,
 )
 from ._wire import (
     ACK,
@@ -33,6 +36,7 @@ from ._wire import (
     HELLO,
     INLINE,
     LOST,
+    MAX_HEADER_BYTES,
     NEED,
     OBJECT,
     PING,
@@ -85,8 +89,9 @@ class PublisherStats:
     nodes_dropped: int  # silent for peer_timeout_s, too slow for ZeroMQ's queue, or gone
     needs_served: int  # bodies sent again on a NEED
     lost: int  # messages sent as LOST: cleared or damaged before they could be read
-    bad_messages: int  # dropped: not of this protocol
+    bad_messages: int  # dropped: not of this protocol, or a NEED for nothing it waits for
     bytes_sent: int
+    nodes_refused: int = 0  # HELLOs turned away: max_nodes were connected
 
 
 @dataclass
@@ -95,6 +100,9 @@ class _Node:
     name: str
     acked: int
     last_heard: float
+    identity: tuple[str, str | bytes] = ("name", "")  # its public key, or (plain) its name
+    last_progress: float = 0.0  # when it last acknowledged something, or was caught up
+    answered: set[int] = field(default_factory=set)  # NEEDs answered while unacknowledged
     held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     objects_sent: int = 0
     refs_sent: int = 0
@@ -126,24 +134,36 @@ class Publisher(Peer):
         server_keys: CurveKeys | None = None,
         allowed_clients: list[bytes] | None = None,
         allow_wildcard: bool = False,
+        allow_plaintext: bool = False,
         window: int = DEFAULT_WINDOW,
         peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+        max_nodes: int = DEFAULT_MAX_NODES,
     ) -> None:
         check_endpoint(bind, allow_wildcard)
         self.window = int_arg(window, "window", 1, 1 << 16)
         self.peer_timeout_s = seconds_arg(peer_timeout_s, "peer_timeout_s")
         self.heartbeat_s = seconds_arg(heartbeat_s, "heartbeat_s")
+        self.ack_timeout_s = seconds_arg(ack_timeout_s, "ack_timeout_s")
+        self.max_nodes = int_arg(max_nodes, "max_nodes", 1, 1 << 16)
         check_curve(server_keys, "server_keys", allowed_clients, "allowed_clients",
                      "the public keys of the relays that may connect")
+        check_plaintext(server_keys, bind, allow_plaintext, "publisher",
+                        "server_keys and allowed_clients")
+        self._curve = server_keys is not None
         super().__init__()
         try:
             self._reader = Channel.attach(channel, reader)
             sock = self._ctx.socket(zmq.ROUTER)
             self._sock = sock
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
-            sock.setsockopt(zmq.SNDHWM, 4 * self.window + 64)  # above the window: never hit
+            # per node: the window's messages, each sent at most twice (once more for a NEED),
+            # and the PINGs and LOSTs between them; never hit by a node that keeps up
+            sock.setsockopt(zmq.SNDHWM, 2 * self.window + 64)
             sock.setsockopt(zmq.RCVHWM, 10_000)  # relays send small messages: a bound, not a limit
+            # relays send headers only; a larger message disconnects its sender
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES + 1024)
             if server_keys is not None:
                 self._auth = ThreadAuthenticator(self._ctx)
                 self._auth.start()
@@ -161,22 +181,24 @@ class Publisher(Peer):
         self._pending: deque[tuple[int, int, Handle]] = deque()  # (msg_no, handout, handle)
         self._msg_no = 0
         self._last_ping = 0.0
-        self._joined = self._dropped = self._needs = self._lost = self._bad = 0
+        self._joined = self._dropped = self._needs = self._lost = self._bad = self._refused = 0
         self._bytes_sent = 0
 
     # -- public --------------------------------------------------------------------------------
 
     @property
     def nodes_connected(self) -> int:
-        """Relays connected now (WELCOMEd and not dropped); safe from another thread."""
-        return len(self._nodes)
+        """Distinct relays connected now (WELCOMEd and not dropped; a node on two connections
+        counts once: by its public key with CurveZMQ, else by its name); safe from another
+        thread."""
+        return len({n.identity for n in list(self._nodes.values())})
 
     def wait_for_nodes(self, n_nodes: int, timeout: float | None = None) -> None:
         """Block until at least `n_nodes` relays are connected (serve() runs in a thread)."""
         end = None if timeout is None else time.monotonic() + timeout
-        while len(self._nodes) < n_nodes:
+        while self.nodes_connected < n_nodes:
             if end is not None and time.monotonic() >= end:
-                raise Timeout(f"{len(self._nodes)} of {n_nodes} nodes connected to "
+                raise Timeout(f"{self.nodes_connected} of {n_nodes} nodes connected to "
                               f"{self.endpoint} within {timeout} s", timeout)
             time.sleep(0.005)
 
@@ -186,7 +208,8 @@ class Publisher(Peer):
                                 n.objects_sent, n.refs_sent, n.bytes_sent)
                       for n in list(self._nodes.values()))
         return PublisherStats(self.endpoint, self._msg_no, nodes, self._joined, self._dropped,
-                              self._needs, self._lost, self._bad, self._bytes_sent)
+                              self._needs, self._lost, self._bad, self._bytes_sent,
+                              self._refused)
 
     def serve(self) -> str:
         """Forward until the channel ends ("end"), its writer dies ("gone") or stop() ("closed")."""
@@ -278,18 +301,20 @@ class Publisher(Peer):
         sock = self._sock
         for _ in range(1000):  # then forward again: a flood of relay messages cannot starve it
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            rid = frames[0]
+            rid = parts[0].bytes
             try:
-                kind, fields, _ = parse(frames[1:])
+                kind, fields, _ = parse([p.bytes for p in parts[1:]])
             except ProtocolError as exc:
                 self._bad += 1
                 log.warning("publisher %s: dropped a message: %s", self.endpoint, exc)
                 continue
             if kind == HELLO:
-                self._hello(rid, fields)
+                # with CurveZMQ the node is its public key (ZAP's User-Id), else its name
+                key = parts[1].get("User-Id") if self._curve and len(parts) > 1 else None
+                self._hello(rid, fields, ("key", key) if key else ("name", fields[1]))
                 continue
             node = self._nodes.get(rid)
             if node is None:
@@ -297,8 +322,10 @@ class Publisher(Peer):
             node.last_heard = time.monotonic()
             if kind == ACK:
                 through, evicted = fields
-                if through <= self._msg_no:
-                    node.acked = max(node.acked, through)
+                if node.acked < through <= self._msg_no:
+                    node.acked = through
+                    node.last_progress = node.last_heard
+                    node.answered = {n for n in node.answered if n > through}
                 for object_id in evicted:
                     node.held.pop(object_id, None)
             elif kind == NEED:
@@ -310,7 +337,7 @@ class Publisher(Peer):
                 log.warning("publisher %s: node %r sent a publisher's message kind %d",
                             self.endpoint, node.name, kind)
 
-    def _hello(self, rid: bytes, fields: list[Any]) -> None:
+    def _hello(self, rid: bytes, fields: list[Any], identity: tuple[str, Any]) -> None:
         version, name, epoch, held = fields
         if version != PROTOCOL_VERSION:
             self._bad += 1
@@ -318,7 +345,20 @@ class Publisher(Peer):
                         self.endpoint, name, version, PROTOCOL_VERSION)
             return
         assert self._reader is not None  # serve() checked
-        node = _Node(rid, name, self._msg_no, time.monotonic())
+        known = self._nodes.get(rid)
+        if known is not None:
+            self._drop(known, "it said HELLO again")
+        # the same node on another connection counts once (nodes_connected); the older one
+        # goes when it falls silent or unreachable: a HELLO queued on a connection that dies
+        # must not drop the live one
+        others = {n.identity for n in self._nodes.values()} - {identity}
+        if len(others) >= self.max_nodes or len(self._nodes) >= 2 * self.max_nodes:
+            self._refused += 1
+            log.warning("publisher %s: node %r refused: %d nodes connected already (max_nodes)",
+                        self.endpoint, name, len(self._nodes))
+            return
+        now = time.monotonic()
+        node = _Node(rid, name, self._msg_no, now, identity, now)
         if epoch == self._reader.store_epoch:
             for object_id in held:
                 node.hold(object_id)
@@ -332,8 +372,14 @@ class Publisher(Peer):
 
     def _need(self, node: _Node, number: int) -> None:
         assert self._reader is not None
-        handle = next((h for n, _, h in self._pending if n == number), None)
-        if handle is not None and number > node.acked:
+        if number in node.answered:
+            self._bad += 1  # asked for twice while unacknowledged: one body per NEED
+            return
+        handle = None
+        if node.acked < number <= self._msg_no:  # else: not one it waits for (LOST)
+            node.answered.add(number)
+            handle = next((h for n, _, h in self._pending if n == number), None)
+        if handle is not None:
             try:
                 with self._reader.body(handle) as stored:
                     frame = zmq.Frame(stored.data, copy=True)
@@ -353,8 +399,13 @@ class Publisher(Peer):
     def _heartbeat(self) -> None:
         now = time.monotonic()
         for node in list(self._nodes.values()):
+            if node.acked >= self._msg_no:
+                node.last_progress = now  # caught up: nothing to keep up with
             if now - node.last_heard > self.peer_timeout_s:
                 self._drop(node, f"silent for {now - node.last_heard:.1f} s")
+            elif now - node.last_progress > self.ack_timeout_s:  # alive, but not keeping up
+                self._drop(node, f"it acknowledged nothing for {now - node.last_progress:.1f} s "
+                           f"with {self._msg_no - node.acked} message(s) outstanding")
         if now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._broadcast([pack(PING)])

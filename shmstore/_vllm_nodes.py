@@ -47,13 +47,14 @@ from .errors import (
 )
 from .handle import Handle, key_digest
 
-__all__ = ["PUBLISH_ENV", "KEYS_ENV", "ALLOW_ENV", "WAIT_ENV", "HeadPublisher", "NodeFeed",
+__all__ = ["PUBLISH_ENV", "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "HeadPublisher", "NodeFeed",
            "node_layout"]
 
 log = logging.getLogger("vllm.plugins.shmstore")
 PUBLISH_ENV = "SHMSTORE_VLLM_PUBLISH"  # head: the address its Publisher binds
 KEYS_ENV = "SHMSTORE_VLLM_KEYS"  # head: its CurveZMQ key pair (NAME.key_secret)
 ALLOW_ENV = "SHMSTORE_VLLM_ALLOW"  # head: relays' public key files, separated by ':'
+INSECURE_ENV = "SHMSTORE_VLLM_INSECURE"  # head: 1 to publish over plain TCP (no keys)
 WAIT_ENV = "SHMSTORE_VLLM_WAIT_S"  # node k worker: longest wait for an item's handle
 DEFAULT_WAIT_S = 60.0
 PUBLISH_TIMEOUT_S = 30.0  # a hand-out waits this long for queue space (a slow node)
@@ -83,6 +84,9 @@ class HeadPublisher:
                 "run `shmstore relay connect tcp://THIS_HOST:PORT --name NAME --readers N` on "
                 "each other node (see the README), or use --mm-processor-cache-type lru",
                 PUBLISH_ENV, None)
+        from .vllm_plugin import env_switch
+
+        insecure = env_switch(INSECURE_ENV, False)
         keys_file = os.environ.get(KEYS_ENV, "").strip()
         allow = [p for p in os.environ.get(ALLOW_ENV, "").split(":") if p.strip()]
         keys = CurveKeys.load(keys_file) if keys_file else None
@@ -92,7 +96,7 @@ class HeadPublisher:
             lambda **kw: Channel.create(name, n_readers=n_local + 1, inline_threshold=0, **kw))
         try:
             self.publisher = Publisher(name, n_local, bind, server_keys=keys,
-                                       allowed_clients=allowed)
+                                       allowed_clients=allowed, allow_plaintext=insecure)
         except BaseException:
             self.channel.close()
             raise

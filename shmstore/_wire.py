@@ -39,8 +39,8 @@ __all__ = ["PROTOCOL_VERSION", "OBJECT_ID_BYTES", "HELLO", "ACK", "NEED", "PING"
 
 PROTOCOL_VERSION = 1
 OBJECT_ID_BYTES = 24  # key digest (16) + origin seq (8)
-MAX_HEADER_BYTES = 64 << 20  # a HELLO listing ~1M held ids; anything larger is not ours
-MAX_IDS = 1 << 21  # ids in one HELLO or ACK
+MAX_IDS = 1 << 16  # ids in one HELLO or ACK (a node holds at most MAX_HELD_IDS)
+MAX_HEADER_BYTES = 4 << 20  # a HELLO listing MAX_IDS ids is under 2 MiB; anything larger is not ours
 _U63 = 1 << 63
 
 HELLO, ACK, NEED, PING, BYE = 1, 2, 3, 4, 5

@@ -76,6 +76,7 @@ from ._relay_peer import (
     Peer,
     check_curve,
     check_endpoint,
+    check_plaintext,
     generate_keys,
 )
 from ._relay_publisher import NodeStats, Publisher, PublisherStats
@@ -100,6 +101,7 @@ from .channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelWriter
 from .errors import (
     CorruptObject,
     InvalidArgument,
+    NotSerializable,
     ObjectTooLarge,
     ProtocolError,
     StoreFull,
@@ -153,6 +155,7 @@ class Relay(Peer):
         node: str | None = None,
         client_keys: CurveKeys | None = None,
         server_key: bytes | None = None,
+        allow_plaintext: bool = False,
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         n_slots: int = 64,
         policy: str = DEFAULT_POLICY,
@@ -168,6 +171,8 @@ class Relay(Peer):
         self.heartbeat_s = seconds_arg(heartbeat_s, "heartbeat_s")
         self.writer_timeout_s = (None if writer_timeout_s is None
                                  else seconds_arg(writer_timeout_s, "writer_timeout_s"))
+        check_plaintext(client_keys, self.connect, allow_plaintext, "relay",
+                        "client_keys and server_key")
         self.node = node if node is not None else f"{os.uname().nodename}:{os.getpid()}"
         self._keys = client_keys
         self._server_key = server_key
@@ -352,7 +357,9 @@ class Relay(Peer):
                 self._send_local(None, object_id)
             else:
                 self._lost += 1
-        except (CorruptObject, ObjectTooLarge) as exc:
+        except (CorruptObject, ObjectTooLarge, NotSerializable) as exc:
+            # a body that decodes but cannot be stored again (NotSerializable) is not what a
+            # Publisher sends: this node loses that message, as with a damaged one
             self._lost += 1
             log.error("relay %r: message %d skipped on this node: %s", self.name, number, exc)
         self._expect = number + 1

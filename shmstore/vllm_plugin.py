@@ -33,23 +33,29 @@ _SWITCH = {"1": True, "true": True, "on": True, "yes": True,
            "0": False, "false": False, "off": False, "no": False}
 
 
-def enabled() -> bool:
-    """Whether SHMSTORE_VLLM leaves the plugin on (unset: on).
+def env_switch(name: str, default: bool) -> bool:
+    """A yes/no environment variable: 0/1, false/true, off/on, no/yes (any case); unset or
+    empty: `default`.
 
     Raises:
-        InvalidArgument: the value is none of 0/1, false/true, off/on, no/yes.
+        InvalidArgument: anything else, naming the variable.
     """
-    raw = os.environ.get(ENABLE_ENV)
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return True
+        return default
     value = _SWITCH.get(raw.strip().lower())
     if value is None:
         from .errors import InvalidArgument
 
-        raise InvalidArgument(f"{ENABLE_ENV}={raw!r} is not a switch: set it to 0, false or off "
-                              "to turn the shmstore vLLM plugin off, or 1, true or on (or unset "
-                              "it) to keep it on", ENABLE_ENV, raw)
+        raise InvalidArgument(f"{name}={raw!r} is not a switch: set it to 1, true or on, or to "
+                              "0, false or off (or unset it)", name, raw)
     return value
+
+
+def enabled() -> bool:
+    """Whether SHMSTORE_VLLM leaves the plugin on (unset: on); InvalidArgument for a value
+    that is not a switch."""
+    return env_switch(ENABLE_ENV, True)
 
 
 def register() -> None:

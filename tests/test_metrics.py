@@ -46,7 +46,7 @@ def test_a_relay_publishers_statistics_are_exported_per_node(name: str) -> None:
     from shmstore.relay import Publisher, Relay
 
     registry = prometheus_client.CollectorRegistry()
-    fast = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1}
+    fast = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1, "allow_plaintext": True}
     writer = Channel.create(name, n_readers=1, capacity_bytes=4 << 20)
     publisher = Publisher(name, 0, "tcp://127.0.0.1:*", **fast)
     relay = Relay(publisher.endpoint, f"{name}-n", 1, 4 << 20, node="node1", **fast)

@@ -24,6 +24,7 @@ from shmstore._wire import (
     ACK,
     HELLO,
     INLINE,
+    NEED,
     OBJECT,
     PING,
     PROTOCOL_VERSION,
@@ -33,11 +34,12 @@ from shmstore._wire import (
     parse,
 )
 from shmstore.relay import CurveKeys, Publisher, Relay, check_endpoint, generate_keys
+from shmstore.serde import BODY_HEADER, BODY_MAGIC
 
 from .conftest import new_name
 
 pytestmark = pytest.mark.timeout(60)
-FAST = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1}
+FAST = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1, "allow_plaintext": True}
 
 
 def image(key: int, nbytes: int = 200_000) -> np.ndarray:
@@ -452,3 +454,176 @@ def test_small_stored_objects_are_held_on_a_node_with_a_larger_inline_threshold(
         assert n.publisher.stats().nodes[0].objects_sent == 2
     finally:
         n.close()
+
+
+# -- hostile peers on the network ------------------------------------------------------------------
+
+class Rogue:
+    """A peer speaking the relay protocol by hand: HELLO, then whatever the test wants."""
+
+    def __init__(self, endpoint: str, name: str = "rogue") -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send(pack(HELLO, PROTOCOL_VERSION, name, 0, []))
+
+    def drain(self, timeout_s: float = 0.05) -> list[tuple[int, list[object]]]:
+        got = []
+        while self.sock.poll(int(timeout_s * 1000)):
+            kind, fields, _ = parse(self.sock.recv_multipart())
+            got.append((kind, fields))
+            timeout_s = 0.0
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_plain_tcp_is_refused_unless_asked_for() -> None:
+    name = new_name("plain")
+    with Channel.create(name, 1, 1 << 20):
+        with pytest.raises(InvalidArgument, match=r"without CurveZMQ keys.*relay keygen") as info:
+            Publisher(name, 0, "tcp://127.0.0.1:*")
+        assert info.value.argument == "allow_plaintext"
+        with Publisher(name, 0, f"ipc:///tmp/{name}.sock") as local:  # a local socket: allowed
+            assert local.endpoint.startswith("ipc://")
+    with pytest.raises(InvalidArgument, match=r"without CurveZMQ keys.*--insecure"):
+        Relay("tcp://127.0.0.1:1", new_name("plain"), 1, 8 << 20)
+
+
+def test_a_node_that_pings_but_never_acknowledges_is_dropped_and_holds_nothing() -> None:
+    net = Net(0, window=8, ack_timeout_s=1.0)
+    rogue = Rogue(net.publisher.endpoint)
+    try:
+        assert wait_until(lambda: net.publisher.nodes_connected == 1)
+        send_keys(net.writer, list(range(40)), nbytes=100_000)  # five windows, none acked
+        started = time.monotonic()
+        while net.publisher.nodes_connected and time.monotonic() - started < 10:
+            rogue.drain(0.1)
+            rogue.sock.send(pack(PING))  # alive, but not keeping up
+        assert net.publisher.nodes_connected == 0 and net.publisher.stats().nodes_dropped == 1
+        # dropped, so the Publisher reads on: the writer's messages are not held for it
+        assert wait_until(lambda: net.publisher.stats().messages == 40)
+    finally:
+        rogue.close()
+        net.close()
+
+
+def test_a_node_connecting_twice_counts_once() -> None:
+    net = Net(0)
+    rogues = [Rogue(net.publisher.endpoint, "same-name") for _ in range(3)]
+    try:
+        assert wait_until(lambda: net.publisher.stats().nodes_joined == 3)
+        # three connections of one node: it counts once (what a vLLM head waits for)
+        assert len(net.publisher.stats().nodes) == 3 and net.publisher.nodes_connected == 1
+    finally:
+        for r in rogues:
+            r.close()
+        net.close()
+
+
+def test_one_curve_key_on_two_relays_counts_as_one_node(tmp_path) -> None:
+    for who in ("pub", "node"):
+        generate_keys(tmp_path, who)
+    server = CurveKeys.load(tmp_path / "pub.key_secret")
+    client = CurveKeys.load(tmp_path / "node.key_secret")
+    name = new_name("twice")
+    with Channel.create(name, 1, 8 << 20) as writer:
+        publisher = Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=server,
+                              allowed_clients=[client.public], peer_timeout_s=1.0,
+                              heartbeat_s=0.1)
+        publisher.start()
+        relays = [Relay(publisher.endpoint, f"{name}-{i}", 1, 8 << 20, node=f"n{i}",
+                        client_keys=client, server_key=server.public, peer_timeout_s=1.0,
+                        heartbeat_s=0.1) for i in range(2)]
+        try:
+            for relay in relays:
+                relay.start()
+            assert wait_until(lambda: publisher.stats().nodes_joined == 2)
+            time.sleep(0.5)  # both speak (PINGs): one key, one node
+            assert publisher.nodes_connected == 1
+        finally:
+            for relay in relays:
+                relay.close()
+            publisher.close()
+            writer.end()
+
+
+def test_a_need_is_answered_once_while_unacknowledged() -> None:
+    net = Net(0, writer_inline=1024)
+    rogue = Rogue(net.publisher.endpoint)
+    try:
+        assert wait_until(lambda: net.publisher.nodes_connected == 1)
+        send_keys(net.writer, [1], nbytes=200_000)
+        got = []
+        assert wait_until(lambda: got.extend(rogue.drain(0)) or any(k == OBJECT for k, _ in got))
+        number = next(f[0] for k, f in got if k == OBJECT)
+        for _ in range(500):  # a flood of NEEDs for the same message, never acknowledged
+            rogue.sock.send(pack(NEED, number))
+        assert wait_until(lambda: net.publisher.stats().bad_messages >= 499)
+        stats = net.publisher.stats()
+        assert stats.needs_served == 1 and stats.nodes[0].objects_sent == 2  # one copy more
+    finally:
+        rogue.close()
+        net.close()
+
+
+def test_nodes_beyond_max_nodes_are_refused() -> None:
+    net = Net(0, max_nodes=3)
+    rogues = [Rogue(net.publisher.endpoint, f"r{i}") for i in range(8)]
+    try:
+        assert wait_until(lambda: net.publisher.stats().nodes_refused == 5)
+        assert net.publisher.nodes_connected == 3
+    finally:
+        for r in rogues:
+            r.close()
+        net.close()
+
+
+def test_an_oversized_message_disconnects_only_its_sender() -> None:
+    net = Net(1)
+    rogue = Rogue(net.publisher.endpoint)
+    try:
+        rogue.sock.send(pack(PING) + b"\x00" * (5 << 20))  # over the 4 MiB header limit
+        send_keys(net.writer, [1, 2])
+        check_received(net.readers[0], [1, 2])  # the real node is served on
+    finally:
+        rogue.close()
+        net.close()
+
+
+def _undecodable_again(depth: int = 200) -> bytes:
+    """A body that decodes (msgpack allows ~1000 levels) but that encode refuses (100)."""
+    structure = b"\x91" * depth + b"\xc0"  # [[[...[None]...]]]
+    return BODY_HEADER.pack(BODY_MAGIC, 0, len(structure)) + structure
+
+
+def test_a_body_that_cannot_be_stored_again_is_lost_on_that_node_and_the_relay_lives() -> None:
+    ctx = zmq.Context.instance()
+    name = new_name("deep")
+    with ctx.socket(zmq.ROUTER) as fake:
+        port = fake.bind_to_random_port("tcp://127.0.0.1")
+        relay = Relay(f"tcp://127.0.0.1:{port}", name, 1, 8 << 20, **FAST)
+        reader = Channel.attach(name, 0)
+        try:
+            relay.start()
+            rid, hello = fake.recv_multipart()
+            assert parse([hello])[0] == HELLO
+            fake.send_multipart([rid, pack(WELCOME, PROTOCOL_VERSION, 7, 65536, 1 << 20, 1)])
+            fake.send_multipart([rid, pack(OBJECT, 1, b"d" * 24), _undecodable_again()])
+            fake.send_multipart([rid, pack(INLINE, 2), _undecodable_again()])
+            fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
+            assert reader.recv(timeout=10) == "fine"
+            assert relay.stats().lost == 2 and relay.serving
+        finally:
+            reader.close()
+            relay.close()

@@ -30,7 +30,7 @@ from .conftest import new_name
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 SPAWN = multiprocessing.get_context("spawn")
-FAST = ["--peer-timeout", "1", "--heartbeat", "0.1"]
+FAST = ["--peer-timeout", "1", "--heartbeat", "0.1", "--insecure"]
 
 
 def make_plan(n: int, n_keys: int, seed: int) -> list[int | None]:

@@ -124,14 +124,15 @@ def test_a_tp_group_across_two_nodes_reads_through_the_relay(
     node_log = (tmp_path / "node1.log").open("w+")
     relay = subprocess.Popen(
         [sys.executable, "-m", "shmstore", "relay", "connect", publish, "--name", node,
-         "--readers", "1"], stdout=relay_log, stderr=subprocess.STDOUT, env=engine_env(node))
+         "--readers", "1", "--insecure"], stdout=relay_log, stderr=subprocess.STDOUT, env=engine_env(node))
     node1 = subprocess.Popen(
         [sys.executable, str(RUNNER), str(model), "shm", "2", "2", "1", str(master_port)],
         stdout=node_log, stderr=subprocess.STDOUT,
         env=engine_env(node, VLLM_CPU_OMP_THREADS_BIND="1"), start_new_session=True)
     try:
         report = run_engine(model, "shm", 2, head, 2, 0, master_port,
-                            SHMSTORE_VLLM_PUBLISH=publish, VLLM_CPU_OMP_THREADS_BIND="0")
+                            SHMSTORE_VLLM_PUBLISH=publish, SHMSTORE_VLLM_INSECURE="1",
+                            VLLM_CPU_OMP_THREADS_BIND="0")
         assert relay.wait(timeout=30) == 0  # the head's end reached the relay: it stops
     finally:
         os.killpg(node1.pid, signal.SIGTERM)  # headless workers run until told to stop

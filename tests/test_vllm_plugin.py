@@ -40,7 +40,14 @@ from shmstore._vllm_cache import (  # noqa: E402
     ShmstoreSenderCache,
     handle_from_item,
 )
-from shmstore._vllm_nodes import ALLOW_ENV, KEYS_ENV, PUBLISH_ENV, WAIT_ENV, NodeFeed  # noqa: E402
+from shmstore._vllm_nodes import (  # noqa: E402
+    ALLOW_ENV,
+    INSECURE_ENV,
+    KEYS_ENV,
+    PUBLISH_ENV,
+    WAIT_ENV,
+    NodeFeed,
+)
 from shmstore.relay import CurveKeys, Relay, generate_keys  # noqa: E402
 from tests._names import Channel, Closed, InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
 from tests.workers import fake_relay_main  # noqa: E402
@@ -410,6 +417,10 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
     monkeypatch.setenv(PUBLISH_ENV, "tcp://127.0.0.1:*")
     monkeypatch.setenv(WAIT_ENV, "0.5")
     head_cfg = config(name, nodes=2)
+    with pytest.raises(InvalidArgument, match=f"without CurveZMQ keys.*{INSECURE_ENV}|keygen"):
+        ShmstoreSenderCache(head_cfg)  # plain TCP only when asked for
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(name)]
+    monkeypatch.setenv(INSECURE_ENV, "1")
     sender = ShmstoreSenderCache(head_cfg)
     local = ShmstoreReceiverCache(head_cfg, None)
     relay = remote = None
@@ -421,7 +432,7 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
             sender.get_and_update_item(None, "h0")
         assert sender.inline_fallbacks == 1
         relay = Relay(sender.publisher.endpoint, node, 1, 64 * MB, peer_timeout_s=1.0,
-                      heartbeat_s=0.1)
+                      heartbeat_s=0.1, allow_plaintext=True)
         monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", node)  # node 1's name
         remote = ShmstoreReceiverCache(config(node, nodes=2, node_rank=1), None)
         relay.wait_for_readers(10)
@@ -470,7 +481,7 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         item9 = image_item(9)
         assert sender.get_and_update_item((item9, []), "h9") == (item9, [])
         relay = Relay(sender.publisher.endpoint, node, 1, 64 * MB, peer_timeout_s=1.0,
-                      heartbeat_s=0.1)
+                      heartbeat_s=0.1, allow_plaintext=True)
         deadline = time.monotonic() + 10
         while remote.feed.reader is None and time.monotonic() < deadline:
             remote.get_and_update_features([])  # steps: a try per second
