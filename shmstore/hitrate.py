@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import signal
 import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -45,6 +46,9 @@ _NAMES = {"time": ("time", "order", "timestamp", "ts", "time-col"),
           "key": ("key", "id", "obj_id", "object", "obj-id-col"),
           "bytes": ("bytes", "size", "obj_size", "nbytes", "obj-size-col")}
 DEFAULT_BUDGETS = "1%,2%,5%,10%,25%,50%"
+MAX_ITEM_BYTES = 1 << 40  # 1 TiB: no cache item is larger; a bigger size is a broken trace
+MAX_BUDGET_BYTES = 1 << 50  # 1 PiB
+MAX_FIELD_BYTES = 1 << 17  # csv's own field limit (128 KiB), named in the error
 
 
 class TraceError(ValueError):
@@ -83,6 +87,11 @@ def read_trace(path: str | Path, fmt: str | None = None, columns: str | None = N
         OSError: the file cannot be read.
     """
     path = Path(path)
+    if limit is not None and limit < 1:
+        raise TraceError(f"--limit {limit}: replay at least 1 request (or leave it out for all)")
+    if delimiter is not None and len(delimiter) != 1:
+        raise TraceError(f"--delimiter {delimiter!r}: one character, such as ',' or ';' "
+                         "(tab: $'\\t')")
     if fmt is None:
         fmt = "oracleGeneral" if _looks_binary(path) else "csv"
     if fmt == "oracleGeneral":
@@ -116,6 +125,9 @@ def _parse_columns(spec: str) -> dict[str, int]:
         if field is None or not number.strip().isdigit():
             raise TraceError(f"--columns {spec!r}: {part!r} is not NAME=NUMBER with NAME one of "
                              "time, key, bytes (1-based numbers; time=0 for none)")
+        if int(number) == 0 and field != "time":
+            raise TraceError(f"--columns {spec!r}: {field} must name a column (1-based); only "
+                             "time=0 means none")
         found[field] = int(number) - 1
     if "key" not in found or "bytes" not in found:
         raise TraceError(f"--columns {spec!r} must give key=N and bytes=N")
@@ -124,7 +136,8 @@ def _parse_columns(spec: str) -> dict[str, int]:
 
 def _read_csv(path: Path, columns: str | None, delimiter: str | None,
               limit: int | None) -> Trace:
-    with open(path, newline="") as f:
+    # surrogateescape: a key that is not UTF-8 is refused with its line, not a traceback
+    with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
         first = f.readline()
         if delimiter is None:
             delimiter = next((d for d in (",", "\t", ";", " ") if d in first), ",")
@@ -151,7 +164,16 @@ def _csv_requests(path: Path, rows: Any, cols: dict[str, int], first_line: int,
     key_col, bytes_col, time_col = cols["key"], cols["bytes"], cols.get("time", -1)
     trace: Trace = []
     times: list[float] = []
-    for line, row in enumerate(rows, first_line):
+    line = first_line - 1
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            break
+        except csv.Error as exc:  # a field over MAX_FIELD_BYTES, a NUL byte, ...
+            raise TraceError(f"{path}, line {rows.line_num}: {exc} (csv fields are limited to "
+                             f"{MAX_FIELD_BYTES} bytes)") from None
+        line = rows.line_num
         if not row:
             continue
         try:
@@ -159,11 +181,20 @@ def _csv_requests(path: Path, rows: Any, cols: dict[str, int], first_line: int,
             if time_col >= 0:
                 times.append(float(row[time_col]))
         except (IndexError, ValueError):
-            raise TraceError(f"{path}, line {line}: {row!r} has no key in column {key_col + 1} "
-                             f"and integer bytes in column {bytes_col + 1}; pass --columns "
-                             "(and --delimiter) to say where they are") from None
+            raise TraceError(f"{path}, line {line}: {row!r:.200} has no key in column "
+                             f"{key_col + 1} and integer bytes in column {bytes_col + 1}; pass "
+                             "--columns (and --delimiter) to say where they are") from None
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            raise TraceError(f"{path}, line {line}: the key is not UTF-8 text; convert the file "
+                             "to UTF-8 (or write keys as hex)") from None
         if nbytes < 0:
             raise TraceError(f"{path}, line {line}: negative size {nbytes}")
+        if nbytes > MAX_ITEM_BYTES:
+            raise TraceError(f"{path}, line {line}: size {nbytes} is above {MAX_ITEM_BYTES} "
+                             "bytes (1 TiB), larger than any cache item; check the bytes column "
+                             "(--columns)")
         trace.append((key, nbytes))
         if limit is not None and len(trace) >= limit:
             break
@@ -181,16 +212,31 @@ def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         try:
             if part.endswith("%"):
-                nbytes = int(float(part[:-1]) * working_set / 100)
+                percent = float(part[:-1])
+                if not 0 < percent <= 1e6:  # also nan and inf
+                    raise ValueError(part)
+                nbytes = int(percent * working_set / 100)
             else:
                 nbytes = parse_size(part)
-        except ValueError:
-            raise TraceError(f"--budgets: {part!r} is neither a percent (5%) nor a size "
-                             "(512MiB, 4GiB)") from None
+        except (ValueError, OverflowError):
+            raise TraceError(f"--budgets: {part!r} is neither a percent (5%, up to 1000000%) nor "
+                             "a size (512MiB, 4GiB)") from None
         if nbytes < 1:
             raise TraceError(f"--budgets: {part!r} is less than one byte of this trace")
+        if nbytes > MAX_BUDGET_BYTES:
+            raise TraceError(f"--budgets: {part!r} is {nbytes} bytes, above 1 PiB; give a "
+                             "smaller budget")
         budgets.append((part, nbytes))
     return budgets
+
+
+def working_set_bytes(trace: Trace) -> int:
+    """The bytes of every distinct item at its largest size in the trace."""
+    largest: dict[Hashable, int] = {}
+    for key, nbytes in trace:
+        if nbytes > largest.get(key, -1):
+            largest[key] = nbytes
+    return sum(largest.values())
 
 
 def recommend(stats: Sequence[SimStats], target: float, workers: int) -> list[str]:
@@ -232,12 +278,17 @@ def _progress_bar(total: int, disabled: bool) -> tuple[Callable[[int], None], Ca
     return bar.update, bar.close
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)  # unwinds: the verify step closes (and unlinks) its stores
+
+
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         trace = read_trace(args.trace, args.format, args.columns, args.delimiter, args.limit)
         if not trace:
             raise TraceError(f"{args.trace}: no requests")
-        working_set = sum(dict(trace).values())
+        working_set = working_set_bytes(trace)
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
         bad = [k for k in kinds if k not in SIM_KINDS]
         if bad or not kinds:
@@ -307,8 +358,10 @@ def verify(sample: Trace, kinds: list[str], fractions: list[float],
     request agreed. Raises AssertionError if one did not (a bug: please report it)."""
     from .serde import encode
 
-    working_set = sum(dict(sample).values())
-    scale = max(1, -(-int(max(fractions) * working_set) // max_segment))
+    working_set = working_set_bytes(sample)
+    largest = max(n for _, n in sample)  # every item, and every cache, under max_segment
+    scale = max(1, -(-int(max(fractions) * working_set) // max_segment),
+                -(-largest // max_segment))
     scaled = [(str(k), max(1, n // scale)) for k, n in sample]
     serialized = {n: encode(np.zeros(n, np.uint8)).nbytes for _, n in scaled}
     checked = evictions = 0

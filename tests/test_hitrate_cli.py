@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import csv
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,3 +97,59 @@ def test_budgets_in_percent_and_units() -> None:
                                                        ("512MB", 512 * 10**6)]
     with pytest.raises(TraceError, match="less than one byte"):
         parse_budgets("0.01%", 1000)
+
+
+@pytest.mark.parametrize(("content", "args", "message"), [
+    (b"time,key,bytes\n0,ok,10\n1,\xff\xfe,10\n", (), "line 3: the key is not UTF-8"),
+    (b"time,key,bytes\n0,ok,10\n1," + b"k" * (200 << 10) + b",10\n", (), "line 3:.*field"),
+    (b"time,key,bytes\n0,ok,10\n1,huge,1152921504606846976\n", (), "line 3: size"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "inf%"), "--budgets: 'inf%'"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "1e30%"), "--budgets: '1e30%'"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "nan%"), "--budgets: 'nan%'"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "99999999999999999999TiB"), "above 1 PiB"),
+    (b"0,a,10\n", ("--delimiter", "ab"), "--delimiter 'ab'"),
+    (b"0,a,10\n", ("--columns", "key=0,bytes=3"), "key must name a column"),
+    (b"0,a,10\n", ("--limit", "-1"), "--limit -1"),
+    (b"0,a,10\n", ("--limit", "0"), "--limit 0"),
+])
+def test_hostile_traces_and_options_exit_2_naming_the_line_or_option(
+        tmp_path: Path, content: bytes, args: tuple[str, ...], message: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(content)
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "0", *args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert re.search(message, done.stderr), done.stderr
+
+
+def test_a_key_seen_large_then_small_counts_at_its_largest_and_verify_stays_small(
+        tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    rows = ["0,big,10737418240", "1,big,1000"] + [f"{i},k{i % 5},2000" for i in range(2, 60)]
+    path.write_text("\n".join(rows) + "\n")
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "60", "--budgets", "50%")
+    assert done.returncode == 0, done.stderr
+    assert "working set 10.0 GiB" in done.stdout or "10.0GiB" in done.stdout, done.stdout
+    assert "verified: the first 60 requests" in done.stdout
+
+
+def test_hitrate_killed_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("".join(f"{i},k{i % 300},{200_000 + i % 7}\n" for i in range(20_000)))
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "shmstore", "hitrate", "--no-progress",
+                             str(path), "--out", str(tmp_path), "--verify", "20000",
+                             "--budgets", "5%,10%,25%,50%"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # wait until the verify step has stores in shared memory, then stop it
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not any(
+                n.startswith("shmstore-") for n in set(os.listdir("/dev/shm")) - before):
+            time.sleep(0.01)
+        assert time.monotonic() < end, "the verify step never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if "shmstore" in n]
