@@ -29,8 +29,10 @@ trip; the origin seq lets a worker on another node find its relay's copy).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -77,11 +79,29 @@ HANDLE_WORDS = 7  # address, seq, key digest (2 words), epoch, origin seq, hand-
 SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread hand-outs go
 LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
 DEFAULT_SETTLE_S = 10.0  # covers the steps the engine may still run with an aborted request
-DEFAULT_LEASE_S = 120.0  # rendering to add_request takes milliseconds; this is the backstop
+DEFAULT_LEASE_S = 60.0  # rendering to add_request takes milliseconds; this is the backstop
 READ_MEMORY = 1 << 16  # (request, hand-out) pairs a worker remembers having read
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}
 _SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
+
+
+class _Rendered:
+    """The hand-outs rendered in one task of the OpenAI server (a request's), in its context."""
+
+    __slots__ = ("__weakref__", "numbers")
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
+
+
+def _render_ended(numbers: list[int]) -> None:
+    for sender in list(_SENDERS):
+        sender.ledger.render_ended(numbers)
+
+
+_RENDERED: contextvars.ContextVar[_Rendered | None] = contextvars.ContextVar(
+    "shmstore_rendered", default=None)
 _GIB = 1 << 30
 _MIB = 1 << 20
 
@@ -617,7 +637,40 @@ def _install_request_hooks() -> None:
             return None
         return wrapper
 
+    def render_async(original: Any) -> Any:
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # the list lives as long as the server's task for this request (its context):
+            # what it lists and no request claimed by then was never sent
+            rendered = _Rendered()
+            weakref.finalize(rendered, _render_ended, rendered.numbers)
+            _RENDERED.set(rendered)
+            try:
+                return await original(*args, **kwargs)
+            except BaseException:  # refused while rendering: never sent
+                for sender in _SENDERS:
+                    sender.ledger.refused(rendered.numbers)
+                rendered.numbers.clear()
+                raise
+        return wrapper
+
+    def process_tokens_async(original: Any) -> Any:
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            engine_input = await original(*args, **kwargs)
+            rendered = _RENDERED.get()
+            if rendered is not None and _SENDERS:
+                rendered.numbers.extend(numbers_in(engine_input, handout_number))
+            return engine_input
+        return wrapper
+
     hooks = (("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", add_request),
+             # the OpenAI server renders first: a request refused while rendering (a prompt
+             # over max_model_len once its image tokens count) never reaches process_inputs
+             ("vllm.renderers.base", "BaseRenderer", "render_chat_async", render_async),
+             ("vllm.renderers.base", "BaseRenderer", "render_cmpl_async", render_async),
+             ("vllm.renderers.base", "BaseRenderer", "_process_tokens_async",
+              process_tokens_async),
              ("vllm.v1.engine.output_processor", "OutputProcessor", "_finish_request",
               finish_request),
              ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests",

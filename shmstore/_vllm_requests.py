@@ -58,6 +58,7 @@ class _Handout:
     live_requests: int = 0  # requests that carry it and have not ended
     ended_s: float | None = None  # when the last of them ended
     aborted: bool = False  # one of them was aborted (else they finished)
+    unclaimed: bool = False  # ended with the render that made it, before any request claimed it
     requests: list[str] = field(default_factory=list)
 
 
@@ -135,6 +136,8 @@ class RequestLedger:
     def _reason(recs: list[_Handout]) -> str:
         if any(rec.ended_s is None for rec in recs):
             return "lease"
+        if any(rec.unclaimed for rec in recs):
+            return "refused"
         return "aborted" if any(rec.aborted for rec in recs) else "finished_unread"
 
     def forget(self) -> None:
@@ -154,6 +157,8 @@ class RequestLedger:
                 rec = self._handouts.get(number)
                 if rec is None:
                     continue  # not this sender's, or settled already
+                if rec.unclaimed:  # its render ended first: claimed after all
+                    rec.unclaimed, rec.ended_s = False, None
                 if rec.live_requests or rec.ended_s is not None:
                     try:
                         self._store.hand_out(rec.handle)
@@ -185,6 +190,18 @@ class RequestLedger:
                 rec.aborted |= aborted
                 if not rec.live_requests:
                     rec.ended_s = now
+
+    def render_ended(self, numbers: Iterable[int]) -> None:
+        """The server task that rendered these hand-outs has ended: those no request claimed
+        will never be sent (the server refused the request after rendering, or its client
+        left first). They end now and are settled like aborted ones, after `settle_s`; a
+        claim that still comes takes them back."""
+        with self.lock:
+            now = self._clock()
+            for number in numbers:
+                rec = self._handouts.get(number)
+                if rec is not None and not rec.live_requests and rec.ended_s is None:
+                    rec.ended_s, rec.unclaimed = now, True
 
     def refused(self, numbers: Iterable[int]) -> None:
         """A request carrying these hand-outs never reached the engine: give them back now."""
