@@ -43,6 +43,7 @@ Needs `prometheus_client` (installed with the `vllm` extra).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -159,6 +160,28 @@ def _relay_families(stats: Any, segment: list[str]) -> Iterator[Any]:
     yield refs
 
 
+class _AllStores:
+    """The one collector per registry: every registered store's metrics, one family per name
+    with a sample per store (labelled by segment), so several stores never clash."""
+
+    def __init__(self) -> None:
+        self.sources: list[StoreCollector] = []
+
+    def collect(self) -> Iterator[Any]:
+        merged: dict[str, Any] = {}
+        for source in list(self.sources):
+            for family in source.collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+
+
+_SHARED: dict[int, tuple[Any, _AllStores]] = {}  # id(registry) -> (registry, its collector)
+_SHARED_LOCK = threading.Lock()
+
+
 def register_store_metrics(writer: StoreWriter, registry: Any = None,
                            inline_fallbacks: Callable[[], int] | None = None,
                            publisher: Any = None,
@@ -167,18 +190,31 @@ def register_store_metrics(writer: StoreWriter, registry: Any = None,
                            ) -> Callable[[], None]:
     """Export `writer`'s statistics on `registry` (default: prometheus_client's), and those of
     the relay `publisher` of its channel if given; return a function that removes them again.
-    `lock`, if given, is held around each scrape's reading of the writer (a writer used from
-    another thread takes the same lock)."""
+    Any number of stores may be registered on one registry (one collector serves them all,
+    labelled by segment). `lock`, if given, is held around each scrape's reading of the
+    writer (a writer used from another thread takes the same lock)."""
     from prometheus_client import REGISTRY
 
     target = REGISTRY if registry is None else registry
-    collector = StoreCollector(writer, inline_fallbacks, publisher, settled, lock)
-    target.register(collector)
+    source = StoreCollector(writer, inline_fallbacks, publisher, settled, lock)
+    with _SHARED_LOCK:
+        entry = _SHARED.get(id(target))
+        if entry is None:
+            entry = _SHARED[id(target)] = (target, _AllStores())
+            target.register(entry[1])
+        entry[1].sources.append(source)
 
     def unregister() -> None:
-        try:
-            target.unregister(collector)
-        except KeyError:
-            pass
+        with _SHARED_LOCK:
+            found = _SHARED.get(id(target))
+            if found is None or source not in found[1].sources:
+                return
+            found[1].sources.remove(source)
+            if not found[1].sources:
+                del _SHARED[id(target)]
+                try:
+                    target.unregister(found[1])
+                except KeyError:
+                    pass
 
     return unregister

@@ -237,13 +237,17 @@ class RingWriter(ShmRingBuffer):
     @property
     def used_bytes(self) -> int:
         """Bytes held by live chunks, headers included (O(chunks))."""
-        return sum(chunk.chunk_bytes for chunk in self._chunks)
+        return sum(chunk.chunk_bytes for chunk in self)  # a snapshot (see __iter__)
 
     def __len__(self) -> int:
         return len(self._chunks)
 
     def __iter__(self) -> Any:
-        return iter(tuple(self._chunks))
+        while True:  # a snapshot; another thread's put may change the deque during the copy
+            try:
+                return iter(tuple(self._chunks))
+            except RuntimeError:
+                continue
 
     def oldest(self) -> Chunk | None:
         """The oldest live chunk, or None when empty."""

@@ -368,17 +368,15 @@ class StoreWriter(StoreSpace):
             self._guard_leave()
 
     def stats(self) -> StoreStats:
-        """Return counters and what each reader owes; O(objects x readers)."""
+        """Return counters and what each reader owes; O(objects x readers). Safe from another
+        thread (a metrics scrape) while this writer's own thread puts."""
         self._guard_check()
-        lag = [0] * self.n_readers
-        objects = 0
-        for chunk in self._writer_ring:
-            entry = chunk.owner
-            if entry is None or not entry.live:
+        while True:  # from another thread, a call in flight may change what is read: again
+            try:
+                lag, objects = self._lag()
+                break
+            except (RuntimeError, IndexError):
                 continue
-            objects += 1
-            for r, owed in enumerate(self._owed(entry, force=False)):
-                lag[r] += owed
         table = self._table
         words = self._words
         return StoreStats(
@@ -394,6 +392,19 @@ class StoreWriter(StoreSpace):
             corrupt_reads=tuple(words.load_acquire(table.row(r) + ROW_CORRUPT_READS)
                                 for r in range(self.n_readers)),
         )
+
+    def _lag(self) -> tuple[list[int], int]:
+        """(hand-outs each reader owes on live objects, live objects)."""
+        lag = [0] * self.n_readers
+        objects = 0
+        for chunk in self._writer_ring:
+            entry = chunk.owner
+            if entry is None or not entry.live:
+                continue
+            objects += 1
+            for r, owed in enumerate(self._owed(entry, force=False)):
+                lag[r] += owed
+        return lag, objects
 
     def __len__(self) -> int:
         return sum(1 for e in self._index.values() if e.live)

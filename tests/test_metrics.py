@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,59 @@ def test_a_relay_publishers_statistics_are_exported_per_node(name: str) -> None:
         relay.close()
         publisher.close()
         writer.close()
+
+
+def test_several_stores_share_one_registry_each_by_segment(name: str) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    with ObjectStore.create(name + "-a", 1 << 20, n_readers=1) as a, \
+            ObjectStore.create(name + "-b", 1 << 20, n_readers=1) as b:
+        off_a = register_store_metrics(a, registry)
+        off_b = register_store_metrics(b, registry)  # no DuplicateTimeseries
+        a.put("k", b"x")
+        text = generate_latest(registry).decode()
+        assert f'shmstore_puts_total{{segment="{name}-a"}} 1.0' in text
+        assert f'shmstore_puts_total{{segment="{name}-b"}} 0.0' in text
+        off_a()
+        text = generate_latest(registry).decode()
+        assert f'segment="{name}-a"' not in text and f'segment="{name}-b"' in text
+        off_b()
+        assert "shmstore_" not in generate_latest(registry).decode()
+        off_b()  # twice is fine
+
+
+def test_a_scrape_thread_reads_stats_while_the_writer_puts(name: str) -> None:
+    import threading
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with ObjectStore.create(name, 1 << 20, n_readers=1, max_object_bytes=64 << 10) as w:
+        reader = ObjectStore.attach(name, 0)
+        off = register_store_metrics(w, registry)
+
+        def scrape() -> None:
+            while not stop.is_set():
+                try:
+                    generate_latest(registry)
+                    w.stats()
+                except BaseException as exc:
+                    errors.append(exc)
+
+        thread = threading.Thread(target=scrape)
+        thread.start()
+        try:
+            end = time.monotonic() + 2.0
+            i = 0
+            while time.monotonic() < end:  # puts that evict: the ring's deque changes
+                reader.get(w.put(f"k{i}", b"x" * (i % 7 * 4096 + 100)))
+                i += 1
+        finally:
+            stop.set()
+            thread.join(10)
+            off()
+            reader.close()
+    assert not errors, errors[:3]
