@@ -11,6 +11,8 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -292,11 +294,11 @@ def test_garbage_from_a_peer_is_dropped_and_counted(net: Net) -> None:
         check_received(reader, [1])
 
 
-def test_a_forged_object_body_is_not_delivered() -> None:
-    """A peer posing as a publisher: bodies that do not decode are skipped and counted."""
-    ctx = zmq.Context.instance()
-    name = new_name("forge")
-    with ctx.socket(zmq.ROUTER) as fake:
+@contextmanager
+def fake_publisher(tag: str) -> Iterator[tuple[Any, bytes, Relay, Any]]:
+    """A peer posing as a publisher, and a relay (with one local reader) it has WELCOMEd."""
+    name = new_name(tag)
+    with zmq.Context.instance().socket(zmq.ROUTER) as fake:
         port = fake.bind_to_random_port("tcp://127.0.0.1")
         relay = Relay(f"tcp://127.0.0.1:{port}", name, 1, 8 << 20, **FAST)
         reader = Channel.attach(name, 0)
@@ -305,15 +307,21 @@ def test_a_forged_object_body_is_not_delivered() -> None:
             rid, hello = fake.recv_multipart()
             assert parse([hello])[0] == HELLO
             fake.send_multipart([rid, pack(WELCOME, PROTOCOL_VERSION, 7, 65536, 1 << 20, 1)])
-            fake.send_multipart([rid, pack(OBJECT, 1, b"i" * 24), b"SSB1 not a body"])
-            fake.send_multipart([rid, pack(INLINE, 2), b"\x00" * 40])
-            fake.send_multipart([rid, pack(PING)])
-            fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
-            assert reader.recv(timeout=10) == "fine"
-            assert relay.stats().lost == 2
+            yield fake, rid, relay, reader
         finally:
             reader.close()
             relay.close()
+
+
+def test_a_forged_object_body_is_not_delivered() -> None:
+    """A peer posing as a publisher: bodies that do not decode are skipped and counted."""
+    with fake_publisher("forge") as (fake, rid, relay, reader):
+        fake.send_multipart([rid, pack(OBJECT, 1, b"i" * 24), b"SSB1 not a body"])
+        fake.send_multipart([rid, pack(INLINE, 2), b"\x00" * 40])
+        fake.send_multipart([rid, pack(PING)])
+        fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
+        assert reader.recv(timeout=10) == "fine"
+        assert relay.stats().lost == 2
 
 
 # -- addresses, keys, arguments ------------------------------------------------------------------
@@ -608,22 +616,9 @@ def _undecodable_again(depth: int = 200) -> bytes:
 
 
 def test_a_body_that_cannot_be_stored_again_is_lost_on_that_node_and_the_relay_lives() -> None:
-    ctx = zmq.Context.instance()
-    name = new_name("deep")
-    with ctx.socket(zmq.ROUTER) as fake:
-        port = fake.bind_to_random_port("tcp://127.0.0.1")
-        relay = Relay(f"tcp://127.0.0.1:{port}", name, 1, 8 << 20, **FAST)
-        reader = Channel.attach(name, 0)
-        try:
-            relay.start()
-            rid, hello = fake.recv_multipart()
-            assert parse([hello])[0] == HELLO
-            fake.send_multipart([rid, pack(WELCOME, PROTOCOL_VERSION, 7, 65536, 1 << 20, 1)])
-            fake.send_multipart([rid, pack(OBJECT, 1, b"d" * 24), _undecodable_again()])
-            fake.send_multipart([rid, pack(INLINE, 2), _undecodable_again()])
-            fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
-            assert reader.recv(timeout=10) == "fine"
-            assert relay.stats().lost == 2 and relay.serving
-        finally:
-            reader.close()
-            relay.close()
+    with fake_publisher("deep") as (fake, rid, relay, reader):
+        fake.send_multipart([rid, pack(OBJECT, 1, b"d" * 24), _undecodable_again()])
+        fake.send_multipart([rid, pack(INLINE, 2), _undecodable_again()])
+        fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
+        assert reader.recv(timeout=10) == "fine"
+        assert relay.stats().lost == 2 and relay.serving
