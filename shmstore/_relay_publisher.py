@@ -85,7 +85,7 @@ class PublisherStats:
     endpoint: str
     messages: int  # messages read from the channel
     nodes: tuple[NodeStats, ...]
-    nodes_joined: int
+    nodes_joined: int  # nodes that joined while none of their identity was connected
     nodes_dropped: int  # silent for peer_timeout_s, too slow for ZeroMQ's queue, or gone
     needs_served: int  # bodies sent again on a NEED
     lost: int  # messages sent as LOST: cleared or damaged before they could be read
@@ -345,6 +345,9 @@ class Publisher(Peer):
                         self.endpoint, name, version, PROTOCOL_VERSION)
             return
         assert self._reader is not None  # serve() checked
+        # a node already connected under this identity (a second connection, or a HELLO again)
+        # joins once: counted in nodes_joined only when it is new
+        again = any(n.identity == identity for n in self._nodes.values())
         known = self._nodes.get(rid)
         if known is not None:
             self._drop(known, "it said HELLO again")
@@ -363,7 +366,7 @@ class Publisher(Peer):
             for object_id in held:
                 node.hold(object_id)
         self._nodes[rid] = node
-        self._joined += 1
+        self._joined += not again
         log.info("publisher %s: node %r joined at message %d, holding %d objects",
                  self.endpoint, name, self._msg_no + 1, len(node.held))
         self._send(node, [pack(WELCOME, PROTOCOL_VERSION, self._reader.store_epoch,
