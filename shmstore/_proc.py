@@ -96,3 +96,24 @@ def env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = raw
     return seconds_arg(value, name)
+
+
+_SWITCH = {"1": True, "true": True, "on": True, "yes": True,
+           "0": False, "false": False, "off": False, "no": False}
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A yes/no environment variable: 0/1, false/true, off/on, no/yes (any case); unset or
+    empty: `default`.
+
+    Raises:
+        InvalidArgument: anything else, naming the variable.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = _SWITCH.get(raw.strip().lower())
+    if value is None:
+        raise InvalidArgument(f"{name}={raw!r} is not a switch: set it to 1, true or on, or to "
+                              "0, false or off (or unset it)", name, raw)
+    return value

@@ -146,7 +146,7 @@ class StoreSpace(StoreBase):
 
     def _drop(self, entry: Entry) -> None:
         entry.live = False  # first: lookups now ignore it, whatever happens next
-        if self._index.get(entry.key) is entry:
+        if self._indexed(entry):
             del self._index[entry.key]
         if self._by_seq.get(entry.chunk.seq) is entry:
             del self._by_seq[entry.chunk.seq]

@@ -95,9 +95,14 @@ class _Rendered:
         self.numbers: list[int] = []
 
 
+def _ledgers() -> list[RequestLedger]:
+    """The request ledgers of this process's senders (a snapshot: hooks run on other threads)."""
+    return [sender.ledger for sender in list(_SENDERS)]
+
+
 def _render_ended(numbers: list[int]) -> None:
-    for sender in list(_SENDERS):
-        sender.ledger.render_ended(numbers)
+    for ledger in _ledgers():
+        ledger.render_ended(numbers)
 
 
 _RENDERED: contextvars.ContextVar[_Rendered | None] = contextvars.ContextVar(
@@ -589,8 +594,8 @@ def _install_request_hooks() -> None:
             result = original(self, request, *args, **kwargs)
             numbers = _feature_numbers(request)
             if numbers:
-                for sender in _SENDERS:
-                    sender.ledger.request_added(request.request_id, numbers)
+                for ledger in _ledgers():
+                    ledger.request_added(request.request_id, numbers)
             return result
         return wrapper
 
@@ -598,8 +603,8 @@ def _install_request_hooks() -> None:
         @functools.wraps(original)
         def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, req_state, *args, **kwargs)
-            for sender in _SENDERS:
-                sender.ledger.request_ended(req_state.request_id, aborted=False)
+            for ledger in _ledgers():
+                ledger.request_ended(req_state.request_id, aborted=False)
             return result
         return wrapper
 
@@ -607,9 +612,9 @@ def _install_request_hooks() -> None:
         @functools.wraps(original)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             aborted = original(self, *args, **kwargs)
-            for request_id in aborted or ():
-                for sender in _SENDERS:
-                    sender.ledger.request_ended(request_id, aborted=True)
+            for ledger in _ledgers():
+                for request_id in aborted or ():
+                    ledger.request_ended(request_id, aborted=True)
             return aborted
         return wrapper
 
@@ -619,9 +624,10 @@ def _install_request_hooks() -> None:
             try:
                 return original(self, request_id, prompt, *args, **kwargs)
             except BaseException:
-                numbers = numbers_in(prompt, handout_number) if _SENDERS else []
-                for sender in _SENDERS:
-                    sender.ledger.refused(numbers)
+                ledgers = _ledgers()
+                numbers = numbers_in(prompt, handout_number) if ledgers else []
+                for ledger in ledgers:
+                    ledger.refused(numbers)
                 raise
         return wrapper
 
@@ -648,8 +654,8 @@ def _install_request_hooks() -> None:
             try:
                 return await original(*args, **kwargs)
             except BaseException:  # refused while rendering: never sent
-                for sender in _SENDERS:
-                    sender.ledger.refused(rendered.numbers)
+                for ledger in _ledgers():
+                    ledger.refused(rendered.numbers)
                 rendered.numbers.clear()
                 raise
         return wrapper

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ._proc import env_seconds
+from ._proc import env_seconds, env_switch
 from .channel import Channel, ChannelReader, ChannelWriter
 from .errors import (
     Closed,
@@ -84,8 +84,6 @@ class HeadPublisher:
                 "run `shmstore relay connect tcp://THIS_HOST:PORT --name NAME --readers N` on "
                 "each other node (see the README), or use --mm-processor-cache-type lru",
                 PUBLISH_ENV, None)
-        from .vllm_plugin import env_switch
-
         insecure = env_switch(INSECURE_ENV, False)
         keys_file = os.environ.get(KEYS_ENV, "").strip()
         allow = [p for p in os.environ.get(ALLOW_ENV, "").split(":") if p.strip()]

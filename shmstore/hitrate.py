@@ -156,48 +156,46 @@ def _read_csv(path: Path, columns: str | None, delimiter: str | None,
         if "key" not in cols or "bytes" not in cols:
             raise TraceError(f"{path}: the header {first.strip()!r} names no key or bytes column; "
                              "pass --columns time=1,key=2,bytes=3")
-        return _csv_requests(path, rows, cols, 2 if has_header else 1, limit)
+        return _csv_requests(path, rows, cols, limit)
 
 
-def _csv_requests(path: Path, rows: Any, cols: dict[str, int], first_line: int,
-                  limit: int | None) -> Trace:
+def _csv_request(path: Path, line: int, row: list[str], cols: dict[str, int],
+                 times: list[float]) -> tuple[str, int]:
+    """(key, bytes) of one csv row, its time appended to `times` if there is a time column."""
     key_col, bytes_col, time_col = cols["key"], cols["bytes"], cols.get("time", -1)
+    try:
+        key, nbytes = row[key_col], int(row[bytes_col])
+        if time_col >= 0:
+            times.append(float(row[time_col]))
+    except (IndexError, ValueError):
+        raise TraceError(f"{path}, line {line}: {row!r:.200} has no key in column "
+                         f"{key_col + 1} and integer bytes in column {bytes_col + 1}; pass "
+                         "--columns (and --delimiter) to say where they are") from None
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        raise TraceError(f"{path}, line {line}: the key is not UTF-8 text; convert the file to "
+                         "UTF-8 (or write keys as hex)") from None
+    if nbytes < 0:
+        raise TraceError(f"{path}, line {line}: negative size {nbytes}")
+    if nbytes > MAX_ITEM_BYTES:
+        raise TraceError(f"{path}, line {line}: size {nbytes} is above {MAX_ITEM_BYTES} bytes "
+                         "(1 TiB), larger than any cache item; check the bytes column (--columns)")
+    return key, nbytes
+
+
+def _csv_requests(path: Path, rows: Any, cols: dict[str, int], limit: int | None) -> Trace:
     trace: Trace = []
     times: list[float] = []
-    line = first_line - 1
-    while True:
-        try:
-            row = next(rows)
-        except StopIteration:
-            break
-        except csv.Error as exc:  # a field over MAX_FIELD_BYTES, a NUL byte, ...
-            raise TraceError(f"{path}, line {rows.line_num}: {exc} (csv fields are limited to "
-                             f"{MAX_FIELD_BYTES} bytes)") from None
-        line = rows.line_num
-        if not row:
-            continue
-        try:
-            key, nbytes = row[key_col], int(row[bytes_col])
-            if time_col >= 0:
-                times.append(float(row[time_col]))
-        except (IndexError, ValueError):
-            raise TraceError(f"{path}, line {line}: {row!r:.200} has no key in column "
-                             f"{key_col + 1} and integer bytes in column {bytes_col + 1}; pass "
-                             "--columns (and --delimiter) to say where they are") from None
-        try:
-            key.encode()
-        except UnicodeEncodeError:
-            raise TraceError(f"{path}, line {line}: the key is not UTF-8 text; convert the file "
-                             "to UTF-8 (or write keys as hex)") from None
-        if nbytes < 0:
-            raise TraceError(f"{path}, line {line}: negative size {nbytes}")
-        if nbytes > MAX_ITEM_BYTES:
-            raise TraceError(f"{path}, line {line}: size {nbytes} is above {MAX_ITEM_BYTES} "
-                             "bytes (1 TiB), larger than any cache item; check the bytes column "
-                             "(--columns)")
-        trace.append((key, nbytes))
-        if limit is not None and len(trace) >= limit:
-            break
+    try:
+        for row in rows:
+            if row:
+                trace.append(_csv_request(path, rows.line_num, row, cols, times))
+                if limit is not None and len(trace) >= limit:
+                    break
+    except csv.Error as exc:  # a field over MAX_FIELD_BYTES, a NUL byte, ...
+        raise TraceError(f"{path}, line {rows.line_num}: {exc} (csv fields are limited to "
+                         f"{MAX_FIELD_BYTES} bytes)") from None
     if times and any(b < a for a, b in zip(times, times[1:])):
         order = sorted(range(len(trace)), key=times.__getitem__)
         trace = [trace[i] for i in order]

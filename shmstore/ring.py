@@ -243,11 +243,12 @@ class RingWriter(ShmRingBuffer):
         return len(self._chunks)
 
     def __iter__(self) -> Any:
-        while True:  # a snapshot; another thread's put may change the deque during the copy
+        for _ in range(99):  # a snapshot; another thread's put may change the deque mid-copy
             try:
                 return iter(tuple(self._chunks))
             except RuntimeError:
                 continue
+        return iter(tuple(self._chunks))
 
     def oldest(self) -> Chunk | None:
         """The oldest live chunk, or None when empty."""

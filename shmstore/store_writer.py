@@ -48,6 +48,8 @@ from .serde import Encoded, blank_key, encode
 
 __all__ = ["StoreWriter", "Reservation"]
 
+STATS_TRIES = 100  # stats() from another thread reads again if a put tore its snapshot
+
 
 class Reservation:
     """What `StoreWriter.reserve` yields: the writable arrays/tensors, then the handle."""
@@ -371,12 +373,14 @@ class StoreWriter(StoreSpace):
         """Return counters and what each reader owes; O(objects x readers). Safe from another
         thread (a metrics scrape) while this writer's own thread puts."""
         self._guard_check()
-        while True:  # from another thread, a call in flight may change what is read: again
-            try:
+        for _ in range(STATS_TRIES - 1):  # from another thread, a call in flight may change
+            try:                             # what is read: read again
                 lag, objects = self._lag()
                 break
             except (RuntimeError, IndexError):
                 continue
+        else:
+            lag, objects = self._lag()
         table = self._table
         words = self._words
         return StoreStats(

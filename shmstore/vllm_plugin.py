@@ -20,8 +20,6 @@ vLLM's own settings keep their meaning: `mm_processor_cache_gb` is the store's c
 
 from __future__ import annotations
 
-import os
-
 __all__ = ["register", "ENABLE_ENV", "POLICY_ENV"]
 
 ENABLE_ENV = "SHMSTORE_VLLM"
@@ -29,32 +27,11 @@ POLICY_ENV = "VLLM_OBJECT_STORAGE_SHM_POLICY"
 _registered = False
 
 
-_SWITCH = {"1": True, "true": True, "on": True, "yes": True,
-           "0": False, "false": False, "off": False, "no": False}
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """A yes/no environment variable: 0/1, false/true, off/on, no/yes (any case); unset or
-    empty: `default`.
-
-    Raises:
-        InvalidArgument: anything else, naming the variable.
-    """
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    value = _SWITCH.get(raw.strip().lower())
-    if value is None:
-        from .errors import InvalidArgument
-
-        raise InvalidArgument(f"{name}={raw!r} is not a switch: set it to 1, true or on, or to "
-                              "0, false or off (or unset it)", name, raw)
-    return value
-
-
 def enabled() -> bool:
     """Whether SHMSTORE_VLLM leaves the plugin on (unset: on); InvalidArgument for a value
     that is not a switch."""
+    from ._proc import env_switch
+
     return env_switch(ENABLE_ENV, True)
 
 
