@@ -108,15 +108,22 @@ class ReaderLedger:
         self._liveness = liveness
         self._n = table.n_readers
 
-    def owed(self, handouts: list[int], address: int, force: bool) -> list[int]:
-        """Reads each reader still owes on the object at `address`, handed out as numbered."""
+    def owed(self, handouts: list[int], address: int, force: bool,
+             narrowed: dict[int, int] | None = None) -> list[int]:
+        """Reads each reader still owes on the object at `address`, handed out as numbered;
+        a hand-out in `narrowed` is owed only by the readers of its mask (bit r: reader r)."""
         n = self._n
         if not handouts:
             return [0] * n
         words = self._words
         table = self._table
         owed = [0] * n
+        every = handouts
         for r in range(n):
+            if narrowed:
+                handouts = [h for h in every if h not in narrowed or narrowed[h] >> r & 1]
+                if not handouts:
+                    continue
             status, generation = self._liveness.status(r, force)
             if status == NEVER:
                 owed[r] = len(handouts)

@@ -37,6 +37,8 @@ class Entry:
     live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
     reserved: bool = False  # being filled by an open reserve(): neither live nor reclaimable
     origin: int = 0  # seq of the put that wrote these bytes (the header's origin_seq)
+    ended: set[int] = field(default_factory=set)  # hand-outs whose users said they are over
+    narrowed: dict[int, int] = field(default_factory=dict)  # hand-out -> mask of its readers
 
 
 class StoreSpace(StoreBase):
@@ -183,6 +185,8 @@ class StoreSpace(StoreBase):
         entry.chunk = new
         entry.handle = Handle(new.address, new.seq, entry.handle.key_digest, self.epoch)
         entry.handouts = []
+        entry.ended.clear()
+        entry.narrowed.clear()
         entry.uses = self._policy.kept(entry.uses)
         new.owner = entry
         self._by_seq[new.seq] = entry
@@ -194,7 +198,7 @@ class StoreSpace(StoreBase):
 
     def _owed(self, entry: Entry, force: bool) -> list[int]:
         """Reads each reader still owes on `entry`."""
-        return self._ledger.owed(entry.handouts, entry.chunk.address, force)
+        return self._ledger.owed(entry.handouts, entry.chunk.address, force, entry.narrowed)
 
     def _damaged_in_shm(self, entry: Entry) -> bool:
         """Whether the chunk or object header in shared memory differs from what was written."""

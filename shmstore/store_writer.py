@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,10 +40,18 @@ from ._store_layout import (
 )
 from ._store_space import Entry, StoreSpace
 from ._wait import Deadline, wait_until
-from .errors import KeyExists, KeyNotCached, ObjectTooLarge, StaleHandle, Timeout
+from .errors import (
+    KeyExists,
+    KeyNotCached,
+    ObjectTooLarge,
+    ReaderIndexError,
+    StaleHandle,
+    Timeout,
+)
 from .handle import Handle, check_key, key_digest
 from .policy import EvictionPolicy
 from .ring import RingWriter
+from .segment import ALIGN_BYTES
 from .serde import Encoded, blank_key, encode
 
 __all__ = ["StoreWriter", "Reservation"]
@@ -162,6 +170,45 @@ class StoreWriter(StoreSpace):
                 entry.reserved = False  # an orphan now: freed when the ring reaches it
             raise
 
+    def lend(self, key: str | bytes, sized: Any) -> Entry:
+        """Make room for an object of `sized.nbytes` (serialized, with `sized.structure_crc`)
+        whose body another process writes at body_offset(); publish it with commit_loan, or
+        set `.reserved = False` on the returned record to give the room back (writer_host.py).
+
+        Raises:
+            KeyExists, ObjectTooLarge, StoreFull: as put() with timeout 0.
+        """
+        check_key(key)
+        self._guard_enter()
+        try:
+            entry = self._begin(key, sized, Deadline(0))
+            entry.reserved = True  # another process writes into it: not reclaimable
+            return entry
+        finally:
+            self._guard_leave()
+
+    def body_offset(self, entry: Entry) -> int:
+        """Byte offset in the segment where the body of lent `entry` goes."""
+        return entry.chunk.address + ALIGN_BYTES + self._header_bytes
+
+    def commit_loan(self, entry: Entry) -> Handle:
+        """Publish lent `entry` once its body is written: index it and hand it out once.
+
+        Raises:
+            KeyExists: the key was put meanwhile (the room is given back).
+        """
+        done: list[tuple[Entry, int]] = []
+        try:
+            self._guard_enter()
+            try:
+                return self._commit(entry, done)
+            finally:
+                self._guard_leave()
+        except BaseException:
+            self._undo(done)
+            entry.reserved = False
+            raise
+
     def get_cached(self, key: str | bytes) -> Handle:
         """Hand the object of `key` out once more (one more read owed by every reader).
 
@@ -219,16 +266,60 @@ class StoreWriter(StoreSpace):
         """The number of the last hand-out (put or get_cached)."""
         return self._handout_seq
 
-    def give_back(self, handle: Handle) -> None:
-        """Take back one hand-out of `handle` that no reader will read (an aborted request).
+    def give_back(self, handle: Handle, number: int | None = None) -> None:
+        """Take back one hand-out of `handle` that no reader will read (an aborted request):
+        hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
 
         Raises:
-            StaleHandle: the object is gone, or has no hand-out left to take back.
+            StaleHandle: the object is gone, or has no such hand-out left to take back.
         """
         self._guard_check()
         entry = self._handed_out(handle)
+        if number is not None and number not in entry.handouts:
+            raise StaleHandle(f"handle {handle} has no hand-out number {number} to give back in "
+                              f"store {self.name!r}; give each hand-out back at most once",
+                              handle, self.name)
         self._give_backs += 1
-        entry.handouts.pop()  # last: if this line ran, the give-back is done
+        if number is None:
+            number = entry.handouts[-1]
+        entry.narrowed.pop(number, None)
+        entry.ended.discard(number)
+        entry.handouts.remove(number)  # last: if this line ran, the give-back is done
+
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
+        """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
+        hand-out whose handle goes to some readers only, decided after it was made (the
+        engine a request goes to). A reader left out never pins the object for it.
+
+        Raises:
+            StaleHandle: the object is gone, or has no hand-out `number`.
+            ReaderIndexError: a reader index outside the store's readers.
+        """
+        self._guard_check()
+        entry = self._live_entry(handle)
+        mask = 0
+        for r in readers:
+            if type(r) is not int or not 0 <= r < self.n_readers:
+                raise ReaderIndexError(f"reader {r!r} is not a reader index of store "
+                                       f"{self.name!r} (0..{self.n_readers - 1})", r,
+                                       self.n_readers)
+            mask |= 1 << r
+        if number not in entry.handouts:
+            raise StaleHandle(f"handle {handle} has no hand-out number {number} in store "
+                              f"{self.name!r}", handle, self.name)
+        entry.narrowed[number] = mask
+
+    def end_handouts(self, handle: Handle, numbers: Iterable[int]) -> None:
+        """Say that hand-outs `numbers` of `handle` are over: whoever they were made for will
+        not read them any more (read or not). withdraw(ended_only=True) drops an object only
+        once every hand-out of it is over. Numbers the object does not have are ignored, as is
+        an object that is gone."""
+        self._guard_check()
+        try:
+            entry = self._live_entry(handle)
+        except StaleHandle:
+            return
+        entry.ended.update(n for n in numbers if n in entry.handouts)
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
         """Reads each reader still owes on the object of `handle` (all zero once every hand-out
@@ -240,18 +331,21 @@ class StoreWriter(StoreSpace):
         self._guard_check()
         return tuple(self._owed(self._live_entry(handle), force=False))
 
-    def withdraw(self, handle: Handle) -> bool:
+    def withdraw(self, handle: Handle, *, ended_only: bool = False) -> bool:
         """Drop the object of `handle` now, even though readers still owe reads on it: for
         hand-outs that will never be read (their requests ended) but that a reader may still
         hold. Every handle of it becomes stale (a late read raises StaleHandle); its space is
         reused once the ring reaches it and no reader is inside it. Return False (and do
-        nothing) if the object is gone already.
+        nothing) if the object is gone already, or, with `ended_only`, if a hand-out of it is
+        not over yet (end_handouts): several users hand the same object out.
         """
         self._guard_enter()
         try:
             try:
                 entry = self._live_entry(handle)
             except StaleHandle:
+                return False
+            if ended_only and not entry.ended.issuperset(entry.handouts):
                 return False
             self._withdrawn += 1
             self._evict(entry)
@@ -490,4 +584,5 @@ class StoreWriter(StoreSpace):
         """Take back hand-outs whose handle never reached the caller."""
         for entry, number in done:
             if number in entry.handouts:
+                entry.narrowed.pop(number, None)
                 entry.handouts.remove(number)

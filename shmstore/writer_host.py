@@ -1,0 +1,459 @@
+"""One store, several writing processes: the writer's process lends its writer to others.
+
+A store has one writer (store_writer.py): its key index, hand-out records and ring state live
+in that process. Other processes of the same user on the machine (several API servers of one
+inference server) share the store through the WriterHost the writer's process runs::
+
+    writer's process                              another process (RemoteWriter)
+      StoreWriter + lock                            is_cached / get_cached / give_back /
+      WriterHost thread(s) <--- unix socket --->    hand_out / narrow / end_handouts / ...
+                                                      (one round trip each)
+      ring in /dev/shm  <------------------------   put: `begin` lends a chunk of the ring,
+                                                    the client copies the body straight into
+                                                    it, `commit` publishes it (one copy)
+
+The socket is in Linux's abstract namespace (no file to clean up). The host accepts only
+peers of its own user id (SO_PEERCRED), and a client only a host of its own user id. Frames are
+a u32 length and a msgpack array, at most MAX_FRAME_BYTES; a frame that is not a request the
+host knows closes that connection (logged) and nothing else. A lent chunk whose client goes
+away before `commit` is given back to the ring.
+
+Every RemoteWriter call takes the host's lock, so the host's own thread and every client see
+one writer operation at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from ._closeable import Closeable
+from ._store_space import Entry
+from ._wait import Deadline
+from .errors import (
+    Closed,
+    InvalidArgument,
+    InvalidKey,
+    KeyExists,
+    KeyNotCached,
+    ObjectTooLarge,
+    ProtocolError,
+    ReaderIndexError,
+    ShmStoreError,
+    StaleHandle,
+    StoreFull,
+)
+from .handle import Handle, check_key
+from .ring import ShmRingBuffer
+from .segment import ALIGN_BYTES
+from .serde import Encoded, encode
+from .store_writer import StoreWriter
+
+__all__ = ["WriterHost", "RemoteWriter", "host_address"]
+
+log = logging.getLogger("shmstore")
+PROTOCOL = 1
+MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
+MAX_CLIENTS = 64  # connections one host serves at once
+MAX_LOANS = 16  # chunks one client may hold lent at once
+CONNECT_TIMEOUT_S = 30.0  # a client waits this long for the host to listen
+CALL_TIMEOUT_S = 60.0  # a reply slower than this means the host is stuck: the call fails
+LENGTH = struct.Struct("<I")
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def host_address(name: str) -> str:
+    """The abstract socket name of the host of store `name` (no file in the filesystem)."""
+    return f"\0shmstore.writer.{os.getuid()}.{name}"
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    uid: int = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+    return uid
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    body = msgpack.packb(obj, use_bin_type=True)
+    sock.sendall(LENGTH.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    parts = []
+    while n:
+        part = sock.recv(min(n, 1 << 16))
+        if not part:
+            return None
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
+def _recv(sock: socket.socket) -> Any:
+    """The next frame, None when the peer closed; ProtocolError for a frame out of bounds."""
+    head = _recv_exact(sock, LENGTH.size)
+    if head is None:
+        return None
+    (size,) = LENGTH.unpack(head)
+    if not 0 < size <= MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {size} bytes (1..{MAX_FRAME_BYTES} allowed)")
+    body = _recv_exact(sock, size)
+    if body is None:
+        return None
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as exc:
+        raise ProtocolError(f"frame is not msgpack: {exc}") from None
+
+
+def _handle_out(handle: Handle) -> list[Any]:
+    return [handle.address, handle.seq, handle.key_digest, handle.epoch]
+
+
+def _handle_in(words: Any) -> Handle:
+    if not isinstance(words, list) or len(words) != 4:
+        raise ProtocolError("a handle is 4 fields")
+    address, seq, digest, epoch = words
+    try:
+        return Handle(address, seq, digest, epoch)
+    except (ShmStoreError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad handle: {exc}") from None
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    if not isinstance(values, list) or any(type(v) is not int or v < 0 for v in values):
+        raise ProtocolError(f"{what}: a list of non-negative ints")
+    return values
+
+
+class _Sized:
+    """What StoreWriter needs of an Encoded to lend a chunk for it (its body is written
+    elsewhere)."""
+
+    __slots__ = ("nbytes", "structure_crc")
+
+    def __init__(self, nbytes: int, structure_crc: int) -> None:
+        self.nbytes = nbytes
+        self.structure_crc = structure_crc
+
+
+# errors that cross the socket: rebuilt on the client's side with their message
+_ERRORS: dict[str, Callable[[str], BaseException]] = {
+    "StaleHandle": lambda m: StaleHandle(m),
+    "KeyNotCached": lambda m: KeyNotCached(m, ""),
+    "KeyExists": lambda m: KeyExists(m, ""),
+    "ObjectTooLarge": lambda m: ObjectTooLarge(m, 0, 0),
+    "StoreFull": lambda m: StoreFull(m, 0, 0),
+    "ReaderIndexError": lambda m: ReaderIndexError(m, None, 0),
+    "InvalidKey": lambda m: InvalidKey(m),
+}
+
+
+class WriterHost(Closeable):
+    """Serves `writer`'s operations to RemoteWriters of this user (see the module docstring).
+
+    The writer's process creates it after the store; `lock` must be held by every other
+    thread of this process that calls the writer. close() stops serving and gives back what
+    clients had lent; it does not close the writer."""
+
+    _listener: socket.socket | None = None
+
+    def __init__(self, writer: StoreWriter, lock: Any) -> None:
+        self._writer = writer
+        self._lock = lock
+        self._clients: set[socket.socket] = set()
+        self._closing = False
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(host_address(writer.name))
+        except OSError as exc:
+            listener.close()
+            raise InvalidArgument(
+                f"cannot serve store {writer.name!r} to other processes: its socket name is "
+                f"taken ({exc}); another host of this store is running", "name",
+                writer.name) from None
+        listener.listen(MAX_CLIENTS)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._accept, name=f"shmstore-host-{writer.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def clients(self) -> int:
+        """Connections being served now."""
+        return len(self._clients)
+
+    def _accept(self) -> None:
+        listener = self._listener
+        while listener is not None and not self._closing:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed
+            if _peer_uid(sock) != os.getuid() or len(self._clients) >= MAX_CLIENTS:
+                log.warning("shmstore: store %r refused a connection (another user, or %d "
+                            "connections already)", self._writer.name, MAX_CLIENTS)
+                sock.close()
+                continue
+            self._clients.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                             name=f"shmstore-host-{self._writer.name}-client").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        loans: dict[int, Entry] = {}
+        try:
+            while not self._closing:
+                request = _recv(sock)
+                if request is None:
+                    return
+                if not isinstance(request, list) or not request or not isinstance(request[0], str):
+                    raise ProtocolError("a request is [op, args...]")
+                try:
+                    with self._lock:
+                        reply = [0, self._call(request[0], request[1:], loans)]
+                except ProtocolError:
+                    raise
+                except (ShmStoreError, ValueError, TypeError, KeyError) as exc:
+                    reply = [1, type(exc).__name__, str(exc)]
+                _send(sock, reply)
+        except (ProtocolError, OSError) as exc:
+            if not self._closing:
+                log.warning("shmstore: store %r dropped a client: %s", self._writer.name, exc)
+        finally:
+            with self._lock:
+                for entry in loans.values():
+                    entry.reserved = False  # an orphan: freed when the ring reaches it
+            self._clients.discard(sock)
+            sock.close()
+
+    def _call(self, op: str, args: list[Any], loans: dict[int, Entry]) -> Any:
+        writer = self._writer
+        if op == "hello":
+            return [PROTOCOL, writer.name, writer.n_readers, writer.max_object_bytes]
+        if op in ("is_cached", "get_cached", "handle_of", "object_id"):
+            (key,) = args
+            check_key(key)
+            if op == "is_cached":
+                return writer.is_cached(key)
+            if op == "get_cached":
+                return [_handle_out(writer.get_cached(key)), writer.handout_seq]
+            found = getattr(writer, op)(key)
+            return _handle_out(found) if isinstance(found, Handle) else found
+        if op == "cached":
+            keys = args[0]
+            if not isinstance(keys, list):
+                raise ProtocolError("cached: a list of keys")
+            return [writer.is_cached(k) for k in keys]
+        if op == "len":
+            return len(writer)
+        if op == "give_back":
+            handle, number = _handle_in(args[0]), args[1]
+            writer.give_back(handle, None if number is None else _ints([number], "number")[0])
+            return None
+        if op == "hand_out":
+            writer.hand_out(_handle_in(args[0]))
+            return writer.handout_seq
+        if op == "narrow":
+            handle, number = _handle_in(args[0]), _ints([args[1]], "number")[0]
+            writer.narrow(handle, number, _ints(args[2], "readers"))
+            return None
+        if op == "end_handouts":
+            writer.end_handouts(_handle_in(args[0]), _ints(args[1], "numbers"))
+            return None
+        if op == "unread":
+            return list(writer.unread(_handle_in(args[0])))
+        if op == "withdraw":
+            return writer.withdraw(_handle_in(args[0]), ended_only=bool(args[1]))
+        if op == "clear":
+            writer.clear(keep_handed_out=bool(args[0]))
+            return None
+        if op == "begin":
+            key, nbytes, crc = args
+            check_key(key)
+            nbytes, crc = _ints([nbytes, crc], "size and crc")
+            if len(loans) >= MAX_LOANS:
+                raise ProtocolError(f"more than {MAX_LOANS} chunks lent at once")
+            entry = writer.lend(key, _Sized(nbytes, crc))
+            loans[entry.chunk.seq] = entry
+            return [entry.chunk.seq, writer.body_offset(entry)]
+        if op in ("commit", "abandon"):
+            lent = loans.pop(_ints([args[0]], "loan")[0], None)
+            if lent is None:
+                raise ProtocolError(f"{op}: no chunk lent under that number")
+            if op == "abandon":
+                lent.reserved = False
+                return None
+            return [_handle_out(writer.commit_loan(lent)), writer.handout_seq]
+        raise ProtocolError(f"unknown request {op!r}")
+
+    def close(self) -> None:
+        """Stop serving; connected clients' calls fail with Closed. Idempotent."""
+        self._closing = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        for sock in list(self._clients):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def closed(self) -> bool:
+        return self._listener is None
+
+
+class RemoteWriter(Closeable):
+    """The writer of store `name`, called from another process of the same user through the
+    writer process's WriterHost. Offers the writer's calls a cache needs (put, get_cached,
+    give_back, hand_out, narrow, end_handouts, unread, withdraw, clear, is_cached, handle_of,
+    object_id); `handout_seq` is the number of the last hand-out this client made. One thread
+    at a time (a lock of the caller's)."""
+
+    _sock: socket.socket | None = None
+    _ring: ShmRingBuffer | None = None
+
+    def __init__(self, name: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.name = name
+        self.handout_seq = 0
+        deadline = Deadline(connect_timeout_s)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(host_address(name))
+                break
+            except OSError as exc:
+                sock.close()
+                if deadline.expired():
+                    raise Closed(f"no process serves the writer of store {name!r} (after "
+                                 f"{connect_timeout_s} s: {exc}); start the process that "
+                                 "creates the store first") from None
+                time.sleep(0.05)
+        try:
+            if _peer_uid(sock) != os.getuid():
+                raise Closed(f"the host of store {name!r} runs as another user; refusing it")
+            sock.settimeout(CALL_TIMEOUT_S)
+            self._sock = sock
+            protocol, _, n_readers, max_object = self._call("hello")
+            if protocol != PROTOCOL:
+                raise ProtocolError(f"store {name!r} is served with protocol {protocol}, this "
+                                    f"client speaks {PROTOCOL}: run one shmstore version")
+            self.n_readers, self.max_object_bytes = n_readers, max_object
+            self._ring = ShmRingBuffer.attach(name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, op: str, *args: Any) -> Any:
+        sock = self._sock
+        if sock is None:
+            raise Closed(f"the remote writer of store {self.name!r} is closed")
+        try:
+            _send(sock, [op, *args])
+            reply = _recv(sock)
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
+        if reply is None:
+            self.close()
+            raise Closed(f"the host of store {self.name!r} closed the connection")
+        if not isinstance(reply, list) or not reply or reply[0] not in (0, 1):
+            self.close()
+            raise Closed(f"the host of store {self.name!r} sent a malformed reply")
+        if reply[0] == 0 and len(reply) == 2:
+            return reply[1]
+        name, message = (reply + ["", ""])[1:3]
+        make = _ERRORS.get(name)
+        raise (make(message) if make else ShmStoreError(f"{name}: {message}"))
+
+    # -- the writer's calls ------------------------------------------------------------------
+
+    def is_cached(self, key: str | bytes) -> bool:
+        return bool(self._call("is_cached", key))
+
+    def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
+        """is_cached for each of `keys`, in one round trip."""
+        return [bool(v) for v in self._call("cached", list(keys))]
+
+    def __len__(self) -> int:
+        return int(self._call("len"))
+
+    def get_cached(self, key: str | bytes) -> Handle:
+        handle, self.handout_seq = self._call("get_cached", key)
+        return _handle_in(handle)
+
+    def handle_of(self, key: str | bytes) -> Handle | None:
+        found = self._call("handle_of", key)
+        return None if found is None else _handle_in(found)
+
+    def object_id(self, key: str | bytes) -> bytes | None:
+        found = self._call("object_id", key)
+        return None if found is None else bytes(found)
+
+    def give_back(self, handle: Handle, number: int | None = None) -> None:
+        self._call("give_back", _handle_out(handle), number)
+
+    def hand_out(self, handle: Handle) -> Handle:
+        self.handout_seq = self._call("hand_out", _handle_out(handle))
+        return handle
+
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
+        self._call("narrow", _handle_out(handle), number, list(readers))
+
+    def end_handouts(self, handle: Handle, numbers: Iterable[int]) -> None:
+        self._call("end_handouts", _handle_out(handle), list(numbers))
+
+    def unread(self, handle: Handle) -> tuple[int, ...]:
+        return tuple(self._call("unread", _handle_out(handle)))
+
+    def withdraw(self, handle: Handle, *, ended_only: bool = False) -> bool:
+        return bool(self._call("withdraw", _handle_out(handle), ended_only))
+
+    def clear(self, *, keep_handed_out: bool = False) -> None:
+        self._call("clear", keep_handed_out)
+
+    def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
+        """Store `obj` as StoreWriter.put does (timeout 0 only: the host never waits)."""
+        if timeout != 0:
+            raise InvalidArgument("a remote put does not wait: pass timeout=0", "timeout",
+                                  timeout)
+        check_key(key)
+        enc: Encoded = encode(obj)
+        loan, offset = self._call("begin", key, enc.nbytes, enc.structure_crc)
+        ring = self._ring
+        try:
+            if ring is None:
+                raise Closed(f"the remote writer of store {self.name!r} is closed")
+            buf = ring.segment.buf
+            if not (ALIGN_BYTES <= offset and offset + enc.nbytes <= len(buf)):
+                raise ProtocolError(f"host lent bytes {offset}..{offset + enc.nbytes} outside "
+                                    f"the store's {len(buf)}")
+            enc.write_into(buf[offset:offset + enc.nbytes])
+        except BaseException:
+            with contextlib.suppress(ShmStoreError):
+                self._call("abandon", loan)
+            raise
+        handle, self.handout_seq = self._call("commit", loan)
+        return _handle_in(handle)
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        """Disconnect and unmap (the host gives back any chunk lent and not committed)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
