@@ -67,8 +67,10 @@ from .errors import (
 )
 from .handle import Handle, key_digest
 from .policy import DEFAULT_POLICY
+from .segment import peek_header
 from .store import ObjectStore, StoreReader, StoreWriter
 from .vllm_plugin import POLICY_ENV
+from .writer_host import RemoteWriter, WriterHost
 
 __all__ = ["ShmstoreSenderCache", "ShmstoreReceiverCache", "install", "item_to_value",
            "value_to_item", "HANDLE_FIELD", "handle_from_item", "object_id_from_item"]
@@ -122,6 +124,41 @@ def _settings(vllm_config: Any) -> tuple[str, int, int]:
     # environment, so the workers it starts find the same segment)
     name = envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME
     return name, capacity, max_object
+
+
+def _engines(vllm_config: Any) -> int:
+    """Engines on this node that share the store (API process): several with data parallelism
+    behind vLLM's internal or hybrid load balancer, else one."""
+    parallel = vllm_config.parallel_config
+    if int(parallel.data_parallel_size) <= 1 or parallel.data_parallel_external_lb:
+        return 1
+    return int(parallel.data_parallel_size_local)
+
+
+def _first_reader(name: str, engine: int, per_engine: int) -> int:
+    """The first reader index of DP engine `engine` (its DP rank) in store `name`: the engines
+    of a node take per_engine readers each, in rank order. (A DP engine of a dense model no
+    longer knows how many engines the node has: the store's reader count says.)"""
+    header = peek_header(name)
+    engines = max(1, header[1] // per_engine) if header is not None else 1
+    return engine % engines * per_engine
+
+
+def servable(vllm_config: Any) -> str | None:
+    """Why shmstore cannot serve this deployment's `shm` cache, None if it can: every engine
+    the API servers send to must be on this node (DP engines on other nodes behind the
+    internal load balancer are not), and several API servers do not mix with a TP group
+    across nodes."""
+    parallel = vllm_config.parallel_config
+    nodes, _, _ = node_layout(vllm_config)
+    dp = int(parallel.data_parallel_size)
+    if (dp > 1 and not parallel.data_parallel_external_lb
+            and int(parallel.data_parallel_size_local) != dp
+            and not parallel.data_parallel_hybrid_lb):
+        return "data-parallel engines on other nodes behind the internal load balancer"
+    if nodes > 1 and (int(parallel._api_process_count) > 1 or _engines(vllm_config) > 1):
+        return "several API servers or engines with a tensor-parallel group across nodes"
+    return None
 
 
 # -- vLLM items <-> values shmstore's serializer carries -----------------------------------------
@@ -239,7 +276,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def __init__(self, vllm_config: Any) -> None:
         super().__init__()
         name, capacity, max_object = _settings(vllm_config)
-        nodes, _, n_readers = node_layout(vllm_config)
+        nodes, _, per_engine = node_layout(vllm_config)
+        self.engines = _engines(vllm_config)
+        self.readers_per_engine = per_engine
+        n_readers = self.engines * per_engine
+        parallel = vllm_config.parallel_config
+        api_servers = int(getattr(parallel, "_api_process_count", 1))
+        api_rank = int(getattr(parallel, "_api_process_rank", 0))
         policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
         settle_s = env_seconds(SETTLE_ENV, DEFAULT_SETTLE_S)
         lease_s = env_seconds(LEASE_ENV, DEFAULT_LEASE_S)
@@ -254,27 +297,54 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 return create(capacity_bytes=capacity, policy=policy)
 
         self._head: HeadPublisher | None = None
+        self._host: WriterHost | None = None
+        self._store: StoreWriter | RemoteWriter
         if nodes > 1:
             self._head = HeadPublisher(make, name, n_readers, nodes - 1)
-            self._store: StoreWriter = self._head.channel.store
+            self._store = self._head.channel.store
+        elif api_servers > 1 and api_rank > 0:  # API server 0 writes; this one through it
+            self._store = RemoteWriter(name)
         else:
             self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers, **kw))
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
         self._touched: dict[str, tuple[Handle, int]] = {}  # kept hand-outs (and their numbers)
-        self._hits = self._total = self.inline_fallbacks = 0
+        self._hits = self._total = 0
         self._last = CacheInfo(hits=0, total=0)
         self.ledger = RequestLedger(self._store, settle_s, lease_s, self._is_touched)
         self._lock = self.ledger.lock
-        self._unregister_metrics = _export_metrics(self._store, lambda: self.inline_fallbacks,
-                                                   self.publisher, self.ledger)
+        if api_servers > 1 and isinstance(self._store, StoreWriter):
+            try:
+                self._host = WriterHost(self._store, self._lock)
+            except BaseException:
+                self._store.close()
+                raise
+        self.segment, self.api_server = name, api_rank
+        self.items = dict.fromkeys(("hit", "shared", "stored", "inline"), 0)
+        self._unregister_metrics = _export_metrics(self)
         _SENDERS.append(self)
-        log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s, "
-                 "%d readers%s", name, capacity, policy, n_readers,
+        role = ("writes it" if isinstance(self._store, StoreWriter) else
+                "writes it through API server 0")
+        log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
+                 "layout: %d API server(s) (this is %d, %s), %d engine(s) x %d worker(s) = %d "
+                 "reader(s)%s", name, capacity, policy, api_servers, api_rank, role,
+                 self.engines, per_engine, n_readers,
                  "" if self._head is None else " on this node and the relay publisher")
 
     @property
-    def store(self) -> StoreWriter:
+    def inline_fallbacks(self) -> int:
+        """Items sent inline (too large, store full, or a node's relay not connected)."""
+        return self.items["inline"]
+
+    @property
+    def store(self) -> StoreWriter | RemoteWriter:
         return self._store
+
+    def routed(self, request_id: str, engine: int) -> None:
+        """The DP client sends `request_id` to engine `engine` (its DP rank): its hand-outs are
+        owed by that engine's workers only."""
+        if self.engines > 1:
+            first = engine % self.engines * self.readers_per_engine
+            self.ledger.routed(request_id, range(first, first + self.readers_per_engine))
 
     @property
     def publisher(self) -> Any:
@@ -316,12 +386,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             handle, number = kept
             if self._head is not None:
                 # published hand-outs go out in the order they are made: renew the kept one
-                handle = self._store.hand_out_again(handle)
+                handle = self._head.channel.store.hand_out_again(handle)
                 number = self._store.handout_seq
         if handle is None and self.is_cached_item(mm_hash):
             handle, number = self._store.get_cached(mm_hash), self._store.handout_seq
         if handle is not None and number is not None:
             self._hits += 1
+            self.items["hit"] += 1
             out = self._hand_out(handle, number, mm_item, mm_hash)
             return (mm_item if out is None else out), self._updates[mm_hash]
         if mm_item is None:
@@ -329,13 +400,18 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         item, prompt_updates = mm_item
         if self._store.is_cached(mm_hash):  # stored, but its prompt updates were dropped
             handle = self._store.get_cached(mm_hash)
+            self.items["shared"] += 1
         else:
             handle = self._put(mm_hash, item)
             if handle is None:
                 return mm_item  # type: ignore[no-any-return]
+            self.items["stored"] += 1
         number = self._store.handout_seq
         if len(self._updates) >= 2 * len(self._store) + 64:
-            self._updates = {h: u for h, u in self._updates.items() if self._store.is_cached(h)}
+            keys = list(self._updates)
+            cached = (self._store.cached(keys) if isinstance(self._store, RemoteWriter)
+                      else [self._store.is_cached(k) for k in keys])
+            self._updates = {k: self._updates[k] for k, c in zip(keys, cached, strict=True) if c}
         self._updates[mm_hash] = prompt_updates
         out = self._hand_out(handle, number, mm_item, mm_hash)
         return (mm_item if out is None else (out, prompt_updates))
@@ -353,7 +429,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 why: Exception = exc
             except ObjectTooLarge as exc:
                 why = exc
-            self.inline_fallbacks += 1
+            self.items["inline"] += 1
             log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
             return None
         return None  # not reached: the loop returns on its last attempt
@@ -376,7 +452,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 if mm_item is None:  # a hit without data: nothing to send inline
                     log.warning("shmstore: item %s cannot reach every node (%s)", mm_hash, why)
                     raise MultiModalCacheMissError([mm_hash])
-                self.inline_fallbacks += 1
+                self.items["inline"] += 1
                 log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
                 return None
         object_id = self._store.object_id(mm_hash)
@@ -429,6 +505,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self.release_sender_touches()
             if self._head is not None:
                 self._head.close()
+            if self._host is not None:
+                self._host.close()
             self._store.close()
 
 
@@ -444,6 +522,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         super().__init__()  # shared_worker_lock: accepted, not needed (no cross-process lock)
         self._name, _, _ = _settings(vllm_config)
         nodes, node_rank, n_local = node_layout(vllm_config)
+        self._engine = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+        self._per_engine = n_local
         self._reader: StoreReader | None = None
         self._feed: NodeFeed | None = None
         self._request: str | None = None  # the request whose items are being resolved
@@ -462,7 +542,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     def reader(self) -> StoreReader:
         """This worker's reader, attached at first use with the worker's local rank."""
         if self._reader is None:
-            self._reader = ObjectStore.attach(self._name, _local_rank())
+            first = _first_reader(self._name, self._engine, self._per_engine)
+            self._reader = ObjectStore.attach(self._name, first + _local_rank())
         return self._reader
 
     def features_of_request(self, request_id: str, mm_features: list[Any]) -> list[Any]:
@@ -519,17 +600,58 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             self._feed.close()
 
 
-def _export_metrics(store: StoreWriter, inline_fallbacks: Any, publisher: Any,
-                    ledger: RequestLedger) -> Any:
-    """shmstore_* metrics on prometheus_client's default registry (vLLM's /metrics)."""
-    try:
-        from .metrics import register_store_metrics
+class _SenderCollector:
+    """One API server's own counters (prometheus_client collector), labelled by segment and
+    api_server: items by outcome, inline fallbacks, hand-outs settled unread by reason."""
 
-        return register_store_metrics(store, inline_fallbacks=inline_fallbacks,
-                                      publisher=publisher, settled=lambda: dict(ledger.settled),
-                                      lock=ledger.lock)
+    def __init__(self, sender: ShmstoreSenderCache) -> None:
+        self._sender = sender
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        sender = self._sender
+        labels = [sender.segment, str(sender.api_server)]
+        with sender.ledger.lock:
+            items, settled = dict(sender.items), dict(sender.ledger.settled)
+        for name, doc, label, values in (
+                ("shmstore_vllm_items", "Items by outcome: hit (stored, prompt updates here), "
+                 "shared (processed here, stored already: no second copy), stored, inline",
+                 "outcome", items),
+                ("shmstore_vllm_settled", "Hand-outs settled without being read, by reason",
+                 "reason", settled)):
+            family = CounterMetricFamily(name, doc, labels=["segment", "api_server", label])
+            for key, count in values.items():
+                family.add_metric([*labels, key], count)
+            yield family
+        family = CounterMetricFamily("shmstore_inline_fallbacks",
+                                     "Values sent inline because too large or store full",
+                                     labels=["segment", "api_server"])
+        family.add_metric(labels, items["inline"])
+        yield family
+
+
+def _export_metrics(sender: ShmstoreSenderCache) -> Any:
+    """shmstore_* metrics for vLLM's /metrics: the store's (from the API server that writes
+    it) and each API server's own. With several API servers vLLM serves /metrics from
+    prometheus_client's multiprocess files: the values are mirrored into them."""
+    try:
+        from .metrics import StoreCollector, mirror_to_multiprocess, register_collector
     except ImportError:
         return lambda: None
+    sources: list[Any] = [_SenderCollector(sender)]
+    store = sender.store
+    if isinstance(store, StoreWriter):
+        sources.append(StoreCollector(store, publisher=sender.publisher, lock=sender.ledger.lock))
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        stops = [mirror_to_multiprocess(source) for source in sources]
+    else:
+        stops = [register_collector(source) for source in sources]
+
+    def stop() -> None:
+        for each in stops:
+            each()
+    return stop
 
 
 def _local_rank() -> int:
@@ -548,6 +670,26 @@ def install() -> None:
 
     original_sender = factories.processor_cache_from_config
     original_receiver = factories.worker_receiver_cache_from_config
+    original_type = factories._get_cache_type
+
+    def get_cache_type(vllm_config: Any) -> Any:
+        # vLLM turns IPC caching off for several API servers and for DP behind its internal
+        # load balancer; one shared store serves those, so `shm` stays `shm` where it can
+        cache_type = original_type(vllm_config)
+        if (cache_type == "processor_only" and vllm_config.model_config
+                .get_multimodal_config().mm_processor_cache_type == "shm"):
+            why = servable(vllm_config)
+            if why is None:
+                return "shm"
+            log.warning("shmstore: vLLM's processor-only cache stays (%s)", why)
+        return cache_type
+
+    factories._get_cache_type = get_cache_type
+    # vLLM names the segment when a process first asks, and sets the name in its environment:
+    # ask now, so every process started from here (several API servers, DP engines) shares it
+    import vllm.envs as envs
+
+    envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME  # noqa: B018
 
     def processor_cache_from_config(vllm_config: Any) -> Any:
         if factories._get_cache_type(vllm_config) == "shm":
@@ -670,7 +812,21 @@ def _install_request_hooks() -> None:
             return engine_input
         return wrapper
 
+    def engine_for_request(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            engine = original(self, request, *args, **kwargs)
+            for sender in list(_SENDERS):
+                sender.routed(request.request_id, int.from_bytes(engine, "little"))
+            return engine
+        return wrapper
+
     hooks = (("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", add_request),
+             # DP: the client picks the engine after rendering; only its workers owe the reads
+             ("vllm.v1.engine.core_client", "DPAsyncMPClient", "get_core_engine_for_request",
+              engine_for_request),
+             ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request",
+              engine_for_request),
              # the OpenAI server renders first: a request refused while rendering (a prompt
              # over max_model_len once its image tokens count) never reaches process_inputs
              ("vllm.renderers.base", "BaseRenderer", "render_chat_async", render_async),

@@ -17,6 +17,13 @@ request:
                                    worker still owes reads on is withdrawn when the store is
                                    full ("aborted", "finished_unread")
     no request ever claimed it     the same after `lease_s` from the hand-out ("lease")
+    DP client picks an engine      the request's hand-outs are narrowed to that engine's
+                                   workers (routed): the others never pin them
+
+Several API servers share one store (one writes it, the others through RemoteWriter), each
+with its own ledger for its own hand-outs. A ledger ends the hand-outs it is done with in the
+store (end_handouts) and withdraws with ended_only, so an object another server's live request
+holds is never withdrawn.
 
 Withdrawing drops the object, not a count: a hand-out read by one worker and not by another
 settles as exactly as one that nobody read, and a read that still came would fail loudly
@@ -34,13 +41,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import StaleHandle
 from .handle import Handle
 from .store import StoreWriter
+from .writer_host import RemoteWriter
 
 __all__ = ["RequestLedger", "REASONS"]
 
@@ -66,7 +74,7 @@ class RequestLedger:
     """Which request each hand-out of one sender belongs to, and settling them when requests
     end. Any thread may call it; see the module docstring."""
 
-    def __init__(self, store: StoreWriter, settle_s: float, lease_s: float,
+    def __init__(self, store: StoreWriter | RemoteWriter, settle_s: float, lease_s: float,
                  busy: Callable[[Handle], bool], clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.lock = threading.RLock()
@@ -101,7 +109,8 @@ class RequestLedger:
             groups: dict[Handle, list[int]] = {}
             for number, rec in self._handouts.items():
                 groups.setdefault(rec.handle, []).append(number)
-            withdrew = False
+            over: list[tuple[Handle, list[int]]] = []
+            owed_over: list[tuple[Handle, list[_Handout]]] = []
             for handle, numbers in groups.items():
                 recs = [self._handouts[n] for n in numbers]
                 if any(not self._done(rec, now) for rec in recs) or self._busy(handle):
@@ -114,15 +123,22 @@ class RequestLedger:
                     continue  # settled when the space is needed
                 for number in numbers:
                     del self._handouts[number]
+                over.append((handle, numbers))
                 if owed:
-                    reason = self._reason(recs)
-                    self._store.withdraw(handle)
-                    self.withdrawn += 1
-                    self.settled[reason] += len(recs)
-                    withdrew = True
-                    log.warning("shmstore: object of item %s withdrawn: its %d hand-out(s) "
-                                "outlived their requests unread (%s)", recs[0].key, len(recs),
-                                reason)
+                    owed_over.append((handle, recs))
+            if over:  # other senders of the same store withdraw only what every sender ended
+                self._store.end_handouts(over)
+            withdrew = False
+            for handle, recs in owed_over:
+                if not self._store.withdraw(handle, ended_only=True):
+                    continue  # gone, or another sender's request still holds it
+                reason = self._reason(recs)
+                self.withdrawn += 1
+                self.settled[reason] += len(recs)
+                withdrew = True
+                log.warning("shmstore: object of item %s withdrawn: its %d hand-out(s) "
+                            "outlived their requests unread (%s)", recs[0].key, len(recs),
+                            reason)
             return withdrew
 
     def _done(self, rec: _Handout, now: float) -> bool:
@@ -141,9 +157,17 @@ class RequestLedger:
         return "aborted" if any(rec.aborted for rec in recs) else "finished_unread"
 
     def forget(self) -> None:
-        """Drop every record that no live request holds (after the store's clear)."""
+        """Drop the records of objects the store's clear dropped (those it kept for their
+        readers still settle as before)."""
         with self.lock:
-            self._handouts = {n: r for n, r in self._handouts.items() if r.live_requests}
+            self._handouts = {n: r for n, r in self._handouts.items() if self._live(r.handle)}
+
+    def _live(self, handle: Handle) -> bool:
+        try:
+            self._store.unread(handle)
+            return True
+        except StaleHandle:
+            return False
 
     # -- hooks in vLLM's API process -----------------------------------------------------------
 
@@ -212,10 +236,23 @@ class RequestLedger:
                     continue  # claimed by a request that did reach the engine
                 del self._handouts[number]
                 try:
-                    self._store.give_back(rec.handle)
+                    self._store.give_back(rec.handle, number)
                 except StaleHandle:
                     continue  # withdrawn or cleared meanwhile
                 self.settled["refused"] += 1
+
+    def routed(self, request_id: str, readers: Sequence[int]) -> None:
+        """`request_id` goes to the engine whose workers are `readers`: its hand-outs are owed
+        by them alone (the other engines' workers never see it)."""
+        with self.lock:
+            for number in self._requests.get(request_id, ()):
+                rec = self._handouts.get(number)
+                if rec is None:
+                    continue
+                try:
+                    self._store.narrow(rec.handle, number, readers)
+                except StaleHandle:
+                    continue  # withdrawn or cleared meanwhile: its workers ask again
 
     @property
     def live_requests(self) -> int:

@@ -50,7 +50,8 @@ from typing import Any
 
 from .store import StoreWriter
 
-__all__ = ["register_store_metrics", "StoreCollector"]
+__all__ = ["register_store_metrics", "register_collector", "mirror_to_multiprocess",
+           "StoreCollector"]
 
 _COUNTERS = (
     ("puts", "puts", "Objects stored"),
@@ -165,7 +166,7 @@ class _AllStores:
     with a sample per store (labelled by segment), so several stores never clash."""
 
     def __init__(self) -> None:
-        self.sources: list[StoreCollector] = []
+        self.sources: list[Any] = []  # StoreCollector, or any other collect()
 
     def collect(self) -> Iterator[Any]:
         merged: dict[str, Any] = {}
@@ -193,10 +194,17 @@ def register_store_metrics(writer: StoreWriter, registry: Any = None,
     Any number of stores may be registered on one registry (one collector serves them all,
     labelled by segment). `lock`, if given, is held around each scrape's reading of the
     writer (a writer used from another thread takes the same lock)."""
+    return register_collector(StoreCollector(writer, inline_fallbacks, publisher, settled, lock),
+                              registry)
+
+
+def register_collector(source: Any, registry: Any = None) -> Callable[[], None]:
+    """Serve `source` (anything with collect()) on `registry` (default: prometheus_client's)
+    through the one shared collector per registry, so that families of the same name from
+    several sources merge instead of clashing; return a function that removes it again."""
     from prometheus_client import REGISTRY
 
     target = REGISTRY if registry is None else registry
-    source = StoreCollector(writer, inline_fallbacks, publisher, settled, lock)
     with _SHARED_LOCK:
         entry = _SHARED.get(id(target))
         if entry is None:
@@ -218,3 +226,42 @@ def register_store_metrics(writer: StoreWriter, registry: Any = None,
                     pass
 
     return unregister
+
+
+MIRROR_EVERY_S = 0.5  # how stale a mirrored value may be
+
+
+def mirror_to_multiprocess(collector: Any, every_s: float = MIRROR_EVERY_S) -> Callable[[], None]:
+    """Copy `collector`'s samples into prometheus_client's multiprocess files every `every_s`
+    seconds (a daemon thread), for a server whose /metrics reads those files
+    (PROMETHEUS_MULTIPROC_DIR: vLLM with several API servers), where a collector registered in
+    one process is never asked. Each sample becomes a gauge of the same name and labels (mode
+    "mostrecent"). Return a function that stops the thread."""
+    from prometheus_client import Gauge
+
+    gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
+    stop = threading.Event()
+
+    def copy() -> None:
+        for family in collector.collect():
+            for sample in family.samples:
+                labels = tuple(sorted(sample.labels))
+                gauge = gauges.get((sample.name, labels))
+                if gauge is None:
+                    gauge = gauges[(sample.name, labels)] = Gauge(
+                        sample.name, family.documentation, labels, registry=None,
+                        multiprocess_mode="mostrecent")
+                (gauge.labels(**sample.labels) if labels else gauge).set(sample.value)
+
+    def run() -> None:
+        while not stop.wait(every_s):
+            try:
+                copy()
+            except Exception as exc:  # a scrape must never kill the server; say why, go on
+                import logging
+
+                logging.getLogger("shmstore").warning("shmstore: metrics mirror: %s", exc)
+
+    copy()
+    threading.Thread(target=run, name="shmstore-metrics-mirror", daemon=True).start()
+    return stop.set

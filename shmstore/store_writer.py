@@ -309,17 +309,19 @@ class StoreWriter(StoreSpace):
                               f"{self.name!r}", handle, self.name)
         entry.narrowed[number] = mask
 
-    def end_handouts(self, handle: Handle, numbers: Iterable[int]) -> None:
-        """Say that hand-outs `numbers` of `handle` are over: whoever they were made for will
-        not read them any more (read or not). withdraw(ended_only=True) drops an object only
-        once every hand-out of it is over. Numbers the object does not have are ignored, as is
-        an object that is gone."""
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> None:
+        """Say that the hand-outs of each (handle, numbers) are over: whoever they were made for
+        will not read them any more (read or not). withdraw(ended_only=True) drops an object
+        only once every hand-out of it is over. Numbers an object does not have are ignored, as
+        are objects that are gone."""
         self._guard_check()
-        try:
-            entry = self._live_entry(handle)
-        except StaleHandle:
-            return
-        entry.ended.update(n for n in numbers if n in entry.handouts)
+        for handle, numbers in groups:
+            try:
+                entry = self._live_entry(handle)
+            except StaleHandle:
+                continue
+            made = set(entry.handouts)
+            entry.ended.update(n for n in numbers if n in made)
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
         """Reads each reader still owes on the object of `handle` (all zero once every hand-out

@@ -267,7 +267,11 @@ class WriterHost(Closeable):
             writer.narrow(handle, number, _ints(args[2], "readers"))
             return None
         if op == "end_handouts":
-            writer.end_handouts(_handle_in(args[0]), _ints(args[1], "numbers"))
+            groups = args[0]
+            if not isinstance(groups, list) or any(
+                    not isinstance(g, list) or len(g) != 2 for g in groups):
+                raise ProtocolError("end_handouts: a list of [handle, numbers]")
+            writer.end_handouts([(_handle_in(h), _ints(n, "numbers")) for h, n in groups])
             return None
         if op == "unread":
             return list(writer.unread(_handle_in(args[0])))
@@ -409,8 +413,8 @@ class RemoteWriter(Closeable):
     def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
         self._call("narrow", _handle_out(handle), number, list(readers))
 
-    def end_handouts(self, handle: Handle, numbers: Iterable[int]) -> None:
-        self._call("end_handouts", _handle_out(handle), list(numbers))
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> None:
+        self._call("end_handouts", [[_handle_out(h), list(n)] for h, n in groups])
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
         return tuple(self._call("unread", _handle_out(handle)))

@@ -348,7 +348,11 @@ def test_store_statistics_are_exported_as_prometheus_metrics(caches: Any) -> Non
     text = generate_latest().decode()
     segment = sender.store.name
     for line in (f'shmstore_puts_total{{segment="{segment}"}} 1.0',
-                 f'shmstore_inline_fallbacks_total{{segment="{segment}"}} 1.0',
+                 f'shmstore_inline_fallbacks_total{{api_server="0",segment="{segment}"}} 1.0',
+                 'shmstore_vllm_items_total{api_server="0",outcome="stored",'
+                 f'segment="{segment}"}} 1.0',
+                 'shmstore_vllm_items_total{api_server="0",outcome="inline",'
+                 f'segment="{segment}"}} 1.0',
                  f'shmstore_objects{{segment="{segment}"}} 1.0',
                  f'shmstore_reader_lag{{reader="0",segment="{segment}"}} 0.0',
                  f'shmstore_reader_lag{{reader="1",segment="{segment}"}} 1.0',

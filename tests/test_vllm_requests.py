@@ -181,8 +181,8 @@ def test_settled_hand_outs_are_exported_by_reason(small: Any) -> None:
     sender.ledger.refused([handout_number(wedge(sender))])
     segment = sender.store.name
     text = generate_latest().decode()
-    assert f'shmstore_vllm_settled_total{{reason="refused",segment="{segment}"}} 1.0' in text
-    assert f'shmstore_vllm_settled_total{{reason="aborted",segment="{segment}"}} 0.0' in text
+    assert f'shmstore_vllm_settled_total{{api_server="0",reason="refused",segment="{segment}"}} 1.0' in text
+    assert f'shmstore_vllm_settled_total{{api_server="0",reason="aborted",segment="{segment}"}} 0.0' in text
     assert f'shmstore_withdrawn_total{{segment="{segment}"}} 0.0' in text
 
 

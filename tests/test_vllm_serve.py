@@ -35,7 +35,8 @@ MAX_MODEL_LEN = 256
 
 
 class Server:
-    def __init__(self, model: Path, segment: str, log: Path) -> None:
+    def __init__(self, model: Path, segment: str, log: Path, *extra: str,
+                 cache_gb: str = "0.00025") -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -48,8 +49,9 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, str(LAUNCHER), "serve", self.model, "--host", "127.0.0.1",
              "--port", str(self.port), "--mm-processor-cache-type", "shm",
-             "--mm-processor-cache-gb", "0.00025",  # about six of these images
-             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--enforce-eager"],
+             "--mm-processor-cache-gb", cache_gb,  # default: about six of these images
+             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--enforce-eager",
+             *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         end = time.monotonic() + 300
         while time.monotonic() < end:
@@ -149,13 +151,13 @@ def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server)
     time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
     inline = []
     for r in range(3):  # rounds of six new images, more than the store holds
-        before = server.metric("shmstore_inline_fallbacks_total")
+        before = server.metric("shmstore_inline_fallbacks_total", api_server="0")
         for i in range(6):
             server.chat(1000 + 10 * r + i)
-        inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
+        inline.append(server.metric("shmstore_inline_fallbacks_total", api_server="0") - before)
     assert inline == [0, 0, 0]
-    assert server.metric("shmstore_vllm_settled_total", reason="refused") == 1
-    assert server.metric("shmstore_vllm_settled_total", reason="aborted") >= 1
+    assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="refused") == 1
+    assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted") >= 1
     assert server.metric("shmstore_withdrawn_total") >= 2
     assert server.chat(1)["choices"][0]["message"]["content"] == first  # same image, same text
     assert server.metric("shmstore_reader_lag", reader="0") == 0

@@ -93,16 +93,16 @@ def test_hand_outs_across_writers_settle_only_when_all_ended(hosted) -> None:
     with lock:
         writer.get_cached("a")
         theirs = writer.handout_seq
-    client.end_handouts(handle, [mine])
+    client.end_handouts([(handle, [mine])])
     assert not client.withdraw(handle, ended_only=True)  # the host's hand-out is live
     assert writer.is_cached("a")
     with lock:
-        writer.end_handouts(handle, [theirs, 999])  # unknown numbers are ignored
+        writer.end_handouts([(handle, [theirs, 999])])  # unknown numbers are ignored
     assert client.withdraw(handle, ended_only=True)
     assert not writer.is_cached("a")
     with pytest.raises(StaleHandle):
         client.unread(handle)
-    client.end_handouts(handle, [1])  # gone: nothing to do
+    client.end_handouts([(handle, [1])])  # gone: nothing to do
 
 
 def test_give_back_by_number_and_narrowed_hand_outs(hosted) -> None:
