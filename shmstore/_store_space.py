@@ -55,6 +55,7 @@ class StoreSpace(StoreBase):
     _reinsertions: int
     _bytes_reinserted: int
     _damaged: int
+    _withdrawn: int
 
     # -- guard shortcuts ---------------------------------------------------------------------
 
@@ -105,7 +106,8 @@ class StoreSpace(StoreBase):
         if oldest is None:
             return True
         entry = oldest.owner
-        if entry is not None and entry.live and any(self._owed(entry, force=False)):
+        if (entry is not None and entry.live and any(self._owed(entry, force=False))
+                and not self._over(entry)):
             return False
         return not self._ledger.pinned_by(oldest.seq) if oldest.tombstoned else True
 
@@ -122,7 +124,11 @@ class StoreSpace(StoreBase):
                             "first, or create a larger store", 0, self.capacity_bytes, ())
         if entry is not None and entry.live:
             owed = self._owed(entry, force)
-            if any(owed):
+            if any(owed) and self._over(entry):
+                # every hand-out of it is over (end_handouts): nobody will read the rest
+                self._withdrawn += 1
+                self._evict(entry)
+            elif any(owed):
                 if not (force and self._damaged_in_shm(entry)):
                     return tuple(r for r, n in enumerate(owed) if n)
                 log.warning("store %r: object seq %d (key %r) is damaged in shared memory and "
@@ -141,6 +147,11 @@ class StoreSpace(StoreBase):
             return pinned
         ring.pop_oldest(chunk)
         return ()
+
+    @staticmethod
+    def _over(entry: Entry) -> bool:
+        """Whether every hand-out of `entry` was said to be over (StoreWriter.end_handouts)."""
+        return bool(entry.ended) and entry.ended.issuperset(entry.handouts)
 
     def _indexed(self, entry: Entry) -> bool:
         """Whether `entry` is what its key names (not an object clear kept for its readers)."""

@@ -498,6 +498,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def close(self) -> None:
         self._unregister_metrics()
+        self.ledger.close()
         with self._lock:
             if self in _SENDERS:
                 _SENDERS.remove(self)

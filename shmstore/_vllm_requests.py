@@ -11,19 +11,22 @@ request:
                                    too (n > 1 samples) gets a hand-out of its own for it
     InputProcessor.process_inputs  raised: the request never reaches the engine; its hand-outs
       raised                       are given back at once ("refused")
-    request finished or aborted    its hand-outs are ended; once `settle_s` has passed (the
-                                   engine has seen the abort and finished any step that read
-                                   them) an object whose every hand-out has ended but that a
-                                   worker still owes reads on is withdrawn when the store is
-                                   full ("aborted", "finished_unread")
+    request finished or aborted    its hand-outs end; once `settle_s` has passed (the engine
+                                   has seen the abort and finished any step that read them)
+                                   they are over, and the store is told (end_handouts): an
+                                   object whose every hand-out is over, but that a worker
+                                   still owes reads on, is withdrawn when the store needs the
+                                   space (counted as "aborted" or "finished_unread")
     no request ever claimed it     the same after `lease_s` from the hand-out ("lease")
     DP client picks an engine      the request's hand-outs are narrowed to that engine's
                                    workers (routed): the others never pin them
 
 Several API servers share one store (one writes it, the others through RemoteWriter), each
-with its own ledger for its own hand-outs. A ledger ends the hand-outs it is done with in the
-store (end_handouts) and withdraws with ended_only, so an object another server's live request
-holds is never withdrawn.
+with its own ledger for its own hand-outs. The store, not a ledger, decides what to withdraw:
+only an object whose every hand-out some ledger said is over, so an object another server's
+live request holds is never withdrawn. Each ledger says so within PRUNE_EVERY_S (a sweep
+thread), so that a server whose put finds the store full is not held up by another server's
+idle ledger.
 
 Withdrawing drops the object, not a count: a hand-out read by one worker and not by another
 settles as exactly as one that nobody read, and a read that still came would fail loudly
@@ -41,11 +44,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import StaleHandle
+from .errors import ShmStoreError, StaleHandle
 from .handle import Handle
 from .store import StoreWriter
 from .writer_host import RemoteWriter
@@ -54,8 +58,7 @@ __all__ = ["RequestLedger", "REASONS"]
 
 log = logging.getLogger("vllm.plugins.shmstore")
 REASONS = ("refused", "aborted", "finished_unread", "lease")
-PRUNE_RECORDS = 4096  # ended hand-outs kept before a sweep drops the settled ones
-PRUNE_EVERY_S = 1.0  # at most one sweep a second when nothing is full
+PRUNE_EVERY_S = 1.0  # how often the sweep thread tells the store which hand-outs are over
 
 
 @dataclass(slots=True, eq=False)
@@ -87,7 +90,9 @@ class RequestLedger:
         self._requests: dict[str, list[int]] = {}
         self._last_sweep = clock()
         self.settled = dict.fromkeys(REASONS, 0)  # hand-outs settled, by reason
-        self.withdrawn = 0  # objects withdrawn while a worker still owed reads
+        self._closing = threading.Event()
+        threading.Thread(target=self._sweep, args=(weakref.ref(self), self._closing),
+                         name="shmstore-ledger", daemon=True).start()
 
     # -- the sender ----------------------------------------------------------------------------
 
@@ -95,12 +100,12 @@ class RequestLedger:
         """Record hand-out `number` of `handle` (made for `key` just now)."""
         with self.lock:
             self._handouts[number] = _Handout(handle, key, self._clock())
-            if len(self._handouts) > PRUNE_RECORDS:
-                self.settle(full=False)
 
     def settle(self, full: bool) -> bool:
-        """Drop the records of hand-outs that are done; with `full`, also withdraw objects that
-        only ended requests still hold. Return whether anything was withdrawn."""
+        """Tell the store which hand-outs are over (their requests ended `settle_s` ago, or
+        nobody claimed them for `lease_s`) and drop their records; without `full`, at most
+        once per PRUNE_EVERY_S. Return whether any were (a put that found the store full may
+        find room now)."""
         with self.lock:
             now = self._clock()
             if not full and now - self._last_sweep < PRUNE_EVERY_S:
@@ -110,36 +115,43 @@ class RequestLedger:
             for number, rec in self._handouts.items():
                 groups.setdefault(rec.handle, []).append(number)
             over: list[tuple[Handle, list[int]]] = []
-            owed_over: list[tuple[Handle, list[_Handout]]] = []
+            recs_over: list[list[_Handout]] = []
             for handle, numbers in groups.items():
                 recs = [self._handouts[n] for n in numbers]
                 if any(not self._done(rec, now) for rec in recs) or self._busy(handle):
                     continue
-                try:
-                    owed = any(self._store.unread(handle))
-                except StaleHandle:
-                    owed = False  # gone already: nothing left to settle
-                if owed and not full:
-                    continue  # settled when the space is needed
                 for number in numbers:
                     del self._handouts[number]
                 over.append((handle, numbers))
-                if owed:
-                    owed_over.append((handle, recs))
-            if over:  # other senders of the same store withdraw only what every sender ended
-                self._store.end_handouts(over)
-            withdrew = False
-            for handle, recs in owed_over:
-                if not self._store.withdraw(handle, ended_only=True):
-                    continue  # gone, or another sender's request still holds it
-                reason = self._reason(recs)
-                self.withdrawn += 1
-                self.settled[reason] += len(recs)
-                withdrew = True
-                log.warning("shmstore: object of item %s withdrawn: its %d hand-out(s) "
-                            "outlived their requests unread (%s)", recs[0].key, len(recs),
-                            reason)
-            return withdrew
+                recs_over.append(recs)
+            if not over:
+                return False
+            for recs, owed in zip(recs_over, self._store.end_handouts(over), strict=True):
+                if owed:  # still owed reads: these may be among them, never to be read
+                    reason = self._reason(recs)
+                    self.settled[reason] += len(recs)
+                    log.info("shmstore: %d hand-out(s) of item %s are over unread (%s): the "
+                             "store may withdraw it", len(recs), recs[0].key, reason)
+            return True
+
+    @staticmethod
+    def _sweep(ref: weakref.ref[RequestLedger], closing: threading.Event) -> None:
+        """The sweep thread: settle about once per PRUNE_EVERY_S until the ledger is closed
+        or gone."""
+        while not closing.wait(PRUNE_EVERY_S):
+            ledger = ref()
+            if ledger is None:
+                return
+            try:
+                ledger.settle(full=False)
+            except ShmStoreError as exc:  # the store went away (shutdown): nothing to settle
+                log.debug("shmstore: hand-out sweep ends: %s", exc)
+                return
+            del ledger
+
+    def close(self) -> None:
+        """Stop the sweep thread (idempotent)."""
+        self._closing.set()
 
     def _done(self, rec: _Handout, now: float) -> bool:
         if rec.live_requests:

@@ -309,19 +309,29 @@ class StoreWriter(StoreSpace):
                               f"{self.name!r}", handle, self.name)
         entry.narrowed[number] = mask
 
-    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> None:
-        """Say that the hand-outs of each (handle, numbers) are over: whoever they were made for
-        will not read them any more (read or not). withdraw(ended_only=True) drops an object
-        only once every hand-out of it is over. Numbers an object does not have are ignored, as
-        are objects that are gone."""
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
+        """Say that the hand-outs of each (handle, numbers) are over: whoever they were made
+        for will not read them any more (read or not). Once every hand-out of an object is
+        over, the store withdraws it when it needs the space even if readers still owe reads
+        on it (as withdraw() would; a late read fails loudly). Numbers an object does not have
+        are ignored, as are objects that are gone.
+
+        Returns:
+            for each group, whether its object is still live and owed reads by some reader
+            (the hand-outs just ended may be among the unread ones).
+        """
         self._guard_check()
+        owed = []
         for handle, numbers in groups:
             try:
                 entry = self._live_entry(handle)
             except StaleHandle:
+                owed.append(False)
                 continue
             made = set(entry.handouts)
             entry.ended.update(n for n in numbers if n in made)
+            owed.append(any(self._owed(entry, force=False)))
+        return owed
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
         """Reads each reader still owes on the object of `handle` (all zero once every hand-out
@@ -333,21 +343,18 @@ class StoreWriter(StoreSpace):
         self._guard_check()
         return tuple(self._owed(self._live_entry(handle), force=False))
 
-    def withdraw(self, handle: Handle, *, ended_only: bool = False) -> bool:
+    def withdraw(self, handle: Handle) -> bool:
         """Drop the object of `handle` now, even though readers still owe reads on it: for
         hand-outs that will never be read (their requests ended) but that a reader may still
         hold. Every handle of it becomes stale (a late read raises StaleHandle); its space is
         reused once the ring reaches it and no reader is inside it. Return False (and do
-        nothing) if the object is gone already, or, with `ended_only`, if a hand-out of it is
-        not over yet (end_handouts): several users hand the same object out.
+        nothing) if the object is gone already.
         """
         self._guard_enter()
         try:
             try:
                 entry = self._live_entry(handle)
             except StaleHandle:
-                return False
-            if ended_only and not entry.ended.issuperset(entry.handouts):
                 return False
             self._withdrawn += 1
             self._evict(entry)

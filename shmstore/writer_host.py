@@ -271,12 +271,11 @@ class WriterHost(Closeable):
             if not isinstance(groups, list) or any(
                     not isinstance(g, list) or len(g) != 2 for g in groups):
                 raise ProtocolError("end_handouts: a list of [handle, numbers]")
-            writer.end_handouts([(_handle_in(h), _ints(n, "numbers")) for h, n in groups])
-            return None
+            return writer.end_handouts([(_handle_in(h), _ints(n, "numbers")) for h, n in groups])
         if op == "unread":
             return list(writer.unread(_handle_in(args[0])))
         if op == "withdraw":
-            return writer.withdraw(_handle_in(args[0]), ended_only=bool(args[1]))
+            return writer.withdraw(_handle_in(args[0]))
         if op == "clear":
             writer.clear(keep_handed_out=bool(args[0]))
             return None
@@ -413,14 +412,15 @@ class RemoteWriter(Closeable):
     def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
         self._call("narrow", _handle_out(handle), number, list(readers))
 
-    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> None:
-        self._call("end_handouts", [[_handle_out(h), list(n)] for h, n in groups])
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
+        return [bool(v) for v in
+                self._call("end_handouts", [[_handle_out(h), list(n)] for h, n in groups])]
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
         return tuple(self._call("unread", _handle_out(handle)))
 
-    def withdraw(self, handle: Handle, *, ended_only: bool = False) -> bool:
-        return bool(self._call("withdraw", _handle_out(handle), ended_only))
+    def withdraw(self, handle: Handle) -> bool:
+        return bool(self._call("withdraw", _handle_out(handle)))
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
         self._call("clear", keep_handed_out)

@@ -36,7 +36,8 @@ MAX_MODEL_LEN = 256
 
 class Server:
     def __init__(self, model: Path, segment: str, log: Path, *extra: str,
-                 cache_gb: str = "0.00025") -> None:
+                 cache_gb: str = "0.00025", cache_type: str = "shm",
+                 env: dict[str, str] | None = None) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -44,11 +45,11 @@ class Server:
         env = {**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
                "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment, "SHMSTORE_VLLM_SETTLE_S": "1",
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(LAUNCHER.parent.parent)}
+               "PYTHONPATH": str(LAUNCHER.parent.parent), **(env or {})}
         self.log = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, str(LAUNCHER), "serve", self.model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--mm-processor-cache-type", "shm",
+             "--port", str(self.port), "--mm-processor-cache-type", cache_type,
              "--mm-processor-cache-gb", cache_gb,  # default: about six of these images
              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--enforce-eager",
              *extra],
@@ -80,11 +81,14 @@ class Server:
             return json.loads(response.read())  # type: ignore[no-any-return]
 
     def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` with these labels (and this segment)."""
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
-        want = ",".join(f'{k}="{v}"' for k, v in sorted({**labels, "segment": self.segment}
-                                                           .items()))
-        line = next(line for line in text.splitlines() if line.startswith(f"{name}{{{want}}}"))
-        return float(line.rsplit(" ", 1)[1])
+        want = {**labels, "segment": self.segment}
+        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(f"{name}{{") and want.items() <= _labels(line).items()]
+        if not found:
+            raise LookupError(f"no {name} {want} in /metrics")
+        return sum(found)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)  # by pid: the server and what it spawned
@@ -96,6 +100,12 @@ class Server:
         self.log.close()
         for leftover in Path("/dev/shm").glob("vllm_dist_*"):  # vLLM's own, not ours
             leftover.unlink(missing_ok=True)
+
+
+def _labels(line: str) -> dict[str, str]:
+    inside = line[line.index("{") + 1:line.rindex("}")]
+    return dict((k, v.strip('"')) for k, v in (pair.split("=", 1) for pair in inside.split(",")
+                                                if pair))
 
 
 def image(seed: int) -> str:

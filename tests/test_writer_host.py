@@ -85,24 +85,29 @@ def test_remote_put_is_one_store_for_both_writers(hosted) -> None:
         readers[0].get(handle)
 
 
-def test_hand_outs_across_writers_settle_only_when_all_ended(hosted) -> None:
-    """Each writer ends its own hand-outs; the object goes only when every one is over."""
+def test_an_object_goes_only_when_every_writer_ended_its_hand_outs(hosted) -> None:
+    """Each writer ends its own hand-outs; a full store withdraws an owed object only once
+    every hand-out of it is over."""
     writer, _, client, readers, lock = hosted
     handle = client.put("a", blob(1))
     mine = client.handout_seq
     with lock:
         writer.get_cached("a")
         theirs = writer.handout_seq
-    client.end_handouts([(handle, [mine])])
-    assert not client.withdraw(handle, ended_only=True)  # the host's hand-out is live
-    assert writer.is_cached("a")
+    handles = [client.put(f"k{i}", blob(i)) for i in range(1, 6)]  # six fit
+    for h in handles:
+        for r in readers:
+            r.get(h)
+    assert client.end_handouts([(handle, [mine])]) == [True]  # still owed reads
+    with pytest.raises(StoreFull, match="still owed"):  # the host's hand-out is not over
+        client.put("more", blob(9))
     with lock:
-        writer.end_handouts([(handle, [theirs, 999])])  # unknown numbers are ignored
-    assert client.withdraw(handle, ended_only=True)
-    assert not writer.is_cached("a")
+        assert writer.end_handouts([(handle, [theirs, 999])]) == [True]  # 999: ignored
+    more = client.put("more", blob(9))  # withdrawn to make room
+    assert not writer.is_cached("a") and writer.stats().withdrawn == 1
     with pytest.raises(StaleHandle):
         client.unread(handle)
-    client.end_handouts([(handle, [1])])  # gone: nothing to do
+    assert client.end_handouts([(handle, [1]), (more, [])]) == [False, True]  # gone; owed
 
 
 def test_give_back_by_number_and_narrowed_hand_outs(hosted) -> None:
