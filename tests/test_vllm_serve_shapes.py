@@ -22,15 +22,15 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from tests.conftest import new_name
-from tests.test_vllm_serve import MAX_MODEL_LEN, Server
+from tests.test_vllm_serve import Server
 from tests.tiny_llava import build
 
 pytestmark = pytest.mark.timeout(600)
 IMAGES = list(range(6))
 UNDER_RESET = list(range(50, 58))  # new images sent while the cache is reset
-SHAPES = {
-    "api-servers-2-tp-2": ("--api-server-count", "2", "--tensor-parallel-size", "2"),
-    "data-parallel-2": ("--data-parallel-size", "2"),
+SHAPES = {  # name: (arguments, tensor-parallel size)
+    "api-servers-2-tp-2": (("--api-server-count", "2", "--tensor-parallel-size", "2"), 2),
+    "data-parallel-2": (("--data-parallel-size", "2"), 1),
 }
 CACHE_GB = "0.0005"  # about 13 of these images
 ROUND = 14  # new images per round: more than the store holds
@@ -47,14 +47,23 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """Greedy outputs of one API server with vLLM's own lru cache."""
-    server = Server(model, new_name("ref"), tmp_path_factory.mktemp("ref") / "server.log",
-                    cache_type="lru", cache_gb="0.01")
-    try:
-        return texts(server, IMAGES + UNDER_RESET)
-    finally:
-        server.stop()
+def references(model: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Callable[[int], dict[int, str]]:
+    """Greedy outputs of one API server with vLLM's own lru cache at a tensor-parallel size
+    (sent one at a time: TP and batching change a random model's near-tie logits)."""
+    made: dict[int, dict[int, str]] = {}
+
+    def reference(tp: int) -> dict[int, str]:
+        if tp not in made:
+            server = Server(model, new_name("ref"), tmp_path_factory.mktemp("ref") / "log",
+                            "--tensor-parallel-size", str(tp), cache_type="lru",
+                            cache_gb="0.01", env=BIND)
+            try:
+                made[tp] = texts(server, IMAGES + UNDER_RESET)
+            finally:
+                server.stop()
+        return made[tp]
+    return reference
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 10) -> bool:
@@ -69,18 +78,20 @@ def eventually(check: Callable[[], bool], timeout_s: float = 10) -> bool:
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped(request: pytest.FixtureRequest, model: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+           tmp_path_factory: pytest.TempPathFactory,
+           references: Callable[[int], dict[int, str]]) -> Iterator[tuple[Server, dict[int, str]]]:
+    arguments, tp = SHAPES[request.param]
+    reference = references(tp)  # first: one server at a time
     server = Server(model, new_name("shape"), tmp_path_factory.mktemp("shape") / "server.log",
-                    *SHAPES[request.param], cache_gb=CACHE_GB,
-                    env={**BIND, "VLLM_SERVER_DEV_MODE": "1"})
-    yield server
+                    *arguments, cache_gb=CACHE_GB, env={**BIND, "VLLM_SERVER_DEV_MODE": "1"})
+    yield server, reference
     server.stop()
     assert not Path("/dev/shm", server.segment).exists()  # unlinked by API server 0's exit
 
 
-def test_one_store_serves_every_api_server_and_engine(shaped: Server,
-                                                      reference: dict[int, str]) -> None:
-    server = shaped
+def test_one_store_serves_every_api_server_and_engine(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    server, reference = shaped
     assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}
     assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}  # hits, here or there
     # the same image until both API servers have served it: stored once, a hit for the other
@@ -100,8 +111,9 @@ def test_one_store_serves_every_api_server_and_engine(shaped: Server,
     assert eventually(lambda: server.metric("shmstore_reader_lag") == 0)
 
 
-def test_refused_requests_on_any_api_server_never_wedge_the_store(shaped: Server) -> None:
-    server = shaped
+def test_refused_requests_on_any_api_server_never_wedge_the_store(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    server, _ = shaped
     too_long = "describe " + "the quick brown fox " * 60
     for seed in (100, 101):  # whichever API servers they reach
         with pytest.raises(urllib.error.HTTPError) as error:
@@ -120,31 +132,28 @@ def test_refused_requests_on_any_api_server_never_wedge_the_store(shaped: Server
     assert server.metric("shmstore_withdrawn_total") >= 1
 
 
-def test_reset_mm_cache_under_traffic_kills_nothing(shaped: Server,
-                                                    reference: dict[int, str]) -> None:
-    server = shaped
+def test_reset_mm_cache_under_traffic_kills_nothing(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    server, reference = shaped
     got: dict[int, str] = {}
     errors: list[BaseException] = []
 
-    def send(seeds: list[int]) -> None:
-        for seed in seeds:
+    def send() -> None:  # one at a time, as the reference was made
+        for seed in UNDER_RESET:
             try:
                 got[seed] = server.chat(seed, timeout=120)["choices"][0]["message"]["content"]
             except BaseException as exc:
                 errors.append(exc)
 
-    senders = [threading.Thread(target=send, args=(UNDER_RESET[i::2],)) for i in range(2)]
-    for t in senders:
-        t.start()
-    for _ in range(3):
+    sender = threading.Thread(target=send)
+    sender.start()
+    for _ in range(3):  # while requests are being rendered, queued and read
         time.sleep(0.3)
         request = urllib.request.Request(f"{server.url}/reset_mm_cache", b"", method="POST")
         with urllib.request.urlopen(request, timeout=60) as response:
             assert response.status == 200
-    for t in senders:
-        t.join(300)
+    sender.join(300)
     assert not errors
     assert got == {s: reference[s] for s in UNDER_RESET}
     urllib.request.urlopen(f"{server.url}/health", timeout=10)  # no engine died
     assert texts(server, IMAGES[:2]) == {s: reference[s] for s in IMAGES[:2]}
-    assert MAX_MODEL_LEN == 256
