@@ -40,9 +40,10 @@ _TUPLE_MARK = _TupleMark()
 
 
 class _Decoder:
-    def __init__(self, body: memoryview, copy: bool) -> None:
+    def __init__(self, body: memoryview, copy: bool, pin_memory: bool = False) -> None:
         self.body = body
         self.copy = copy
+        self.pin_memory = pin_memory
         self.table: list[tuple[int, int]] = []
         self.open_marks = 0  # tuple marks not (yet) at the head of an array
 
@@ -77,7 +78,7 @@ class _Decoder:
             if count == 0:
                 return torch.empty(shape, dtype=dtype)
             if self.copy:  # one memcpy into a fresh tensor, whatever the source buffer is
-                out = torch.empty(shape, dtype=dtype)
+                out = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
                 nbytes = count * itemsize
                 memoryview(out.view(-1).view(torch.uint8).numpy())[:] = (
                     self.body[offset:offset + nbytes])
@@ -131,7 +132,7 @@ class _Decoder:
 
 
 def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = None,
-           crc_suffix: bytes = b"") -> Any:
+           crc_suffix: bytes = b"", pin_memory: bool = False) -> Any:
     """Rebuild an object from its body.
 
     Args:
@@ -140,6 +141,8 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
             the bytes stay unchanged.
         expected_crc: when given, the CRC-32 of the header, buffer table and msgpack structure
             (`Encoded.structure_crc`), continued over `crc_suffix`, must equal it.
+        pin_memory: with `copy`, torch tensors are made in page-locked memory (CUDA only: a
+            device copy from them needs no staging copy); numpy arrays are not affected.
 
     Raises:
         CorruptObject: any length, offset, dtype or shape that does not fit the body.
@@ -161,7 +164,7 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
         if found != expected_crc:
             raise CorruptObject(f"object structure is damaged: CRC {found:#010x}, written as "
                                 f"{expected_crc:#010x}")
-    dec = _Decoder(body, copy)
+    dec = _Decoder(body, copy, pin_memory)
     low = struct_end
     for i in range(n_buffers):
         offset, nbytes = BUFFER_ENTRY.unpack_from(body, BODY_HEADER.size + BUFFER_ENTRY.size * i)

@@ -525,6 +525,11 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         nodes, node_rank, n_local = node_layout(vllm_config)
         self._engine = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         self._per_engine = n_local
+        import torch
+
+        # with CUDA, tensors land in page-locked memory: vLLM's copy to the device then needs
+        # no staging copy of its own
+        self._pin_memory = bool(torch.cuda.is_available())
         self._reader: StoreReader | None = None
         self._feed: NodeFeed | None = None
         self._request: str | None = None  # the request whose items are being resolved
@@ -578,7 +583,7 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
                 assert object_id is not None  # it carries a handle
                 value = self._feed.get(object_id)
             else:
-                value = self.reader.get(handle, count=count)
+                value = self.reader.get(handle, count=count, pin_memory=self._pin_memory)
         except (StaleHandle, CorruptObject, *FEED_ERRORS) as exc:
             log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
             raise MultiModalCacheMissError([mm_hash]) from None

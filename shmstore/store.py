@@ -195,21 +195,26 @@ class StoreReader(StoreBase):
         """Objects this reader index gave up on because they failed validation, ever."""
         return self._corrupt_reads
 
-    def get(self, handle: Handle, *, count: bool = True) -> Any:
+    def get(self, handle: Handle, *, count: bool = True, pin_memory: bool = False) -> Any:
         """Return an owned copy of the object and count one read (unless `count` is False: a
-        reader reading a hand-out it has read before, whose read is counted already).
+        reader reading a hand-out it has read before, whose read is counted already). With
+        `pin_memory`, torch tensors are copied into page-locked memory, from which a CUDA
+        device copy needs no staging copy (CUDA only).
 
         Raises:
+            InvalidArgument: pin_memory without CUDA.
             StaleHandle: the object was reclaimed, cleared, or the handle is from another store.
             CorruptObject: the bytes fail validation (the object is given up: counted as read).
             SegmentClosed: this reader was closed (before or during the call).
         """
+        if pin_memory:
+            _check_pinnable()
         guard = self._guard_enter()
         try:
             pin = self._pin(handle)
             done = None
             try:
-                obj = self._decode(handle, copy=True)
+                obj = self._decode(handle, copy=True, pin_memory=pin_memory)
                 if self._words.load_acquire(handle.address) not in (handle.seq, 0):
                     # Reused under the pin: impossible unless the pin words were damaged.
                     raise StaleHandle(f"object seq {handle.seq} in store {self.name!r} was "
@@ -376,12 +381,13 @@ class StoreReader(StoreBase):
         return start + self._header_bytes, body_bytes, crc, origin
 
     def _decode(self, handle: Handle, copy: bool,
-                located: tuple[int, int, int, int] | None = None) -> Any:
+                located: tuple[int, int, int, int] | None = None,
+                pin_memory: bool = False) -> Any:
         """Validate the pinned object and decode it; give it up if it is damaged."""
         body, body_bytes, crc, _ = located or self._locate(handle)
         try:
             return decode(self._buf[body:body + body_bytes], copy=copy, expected_crc=crc,
-                          crc_suffix=U64.pack(body_bytes))
+                          crc_suffix=U64.pack(body_bytes), pin_memory=pin_memory)
         except CorruptObject as exc:
             with self._lock:
                 self._count_read(handle, corrupt=True)
@@ -404,3 +410,16 @@ class StoreReader(StoreBase):
             self._corrupt_reads += 1
             words.store_release(self._row + ROW_CORRUPT_READS, self._corrupt_reads)
 
+
+def _check_pinnable() -> None:
+    """InvalidArgument unless torch with CUDA is here (page-locked memory needs it)."""
+    try:
+        import torch
+
+        available = bool(torch.cuda.is_available())
+    except ImportError:
+        available = False
+    if not available:
+        raise InvalidArgument("pin_memory=True needs torch with a CUDA device; pass "
+                              "pin_memory=False (the default) on a machine without one",
+                              "pin_memory", True)

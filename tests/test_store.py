@@ -21,6 +21,7 @@ from shmstore.handle import key_digest
 from tests._names import (
     CorruptObject,
     Handle,
+    InvalidArgument,
     InvalidHandle,
     InvalidKey,
     KeyExists,
@@ -425,3 +426,26 @@ def test_hand_out_adds_one_read_per_reader_also_for_a_kept_object(store) -> None
         read_all(readers, w.put(f"k{i}", blob(i)))
     with pytest.raises(StaleHandle):
         w.hand_out(h)
+
+
+def test_pinned_copies_need_cuda(store) -> None:
+    w, readers = store
+    h = w.put("t", {"x": torch.arange(1000, dtype=torch.float32)})
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgument, match="CUDA"):
+            readers[0].get(h, pin_memory=True)
+        got = readers[0].get(h)  # nothing was counted by the refused call
+        assert not got["x"].is_pinned()
+        assert w.unread(h) == (0, 1)
+        return
+    got = readers[0].get(h, pin_memory=True)
+    assert got["x"].is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_copies_with_cuda_are_page_locked_and_equal(store) -> None:
+    w, readers = store
+    h = w.put("t", {"x": torch.arange(1000, dtype=torch.bfloat16), "n": np.arange(3)})
+    got = readers[1].get(h, pin_memory=True)
+    assert got["x"].is_pinned() and torch.equal(got["x"], torch.arange(1000, dtype=torch.bfloat16))
+    assert got["n"].tolist() == [0, 1, 2]  # numpy arrays are left as they are
