@@ -65,13 +65,18 @@ def segment_name(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def config(name: str, cache_mb: float = 64, max_object_mb: int = 32, world_size: int = 2,
-           cache_type: str = "shm", nodes: int = 1, node_rank: int = 0) -> Any:
+           cache_type: str = "shm", nodes: int = 1, node_rank: int = 0, api_servers: int = 1,
+           api_rank: int = 0, dp: int = 1, dp_local: int | None = None, dp_index: int = 0,
+           hybrid_lb: bool = False) -> Any:
     """The fields of a VllmConfig the caches read; the segment name comes from the
     environment, as in vLLM (`name` only documents which one the test means)."""
     mm = SimpleNamespace(mm_processor_cache_gb=cache_mb / 1024, mm_shm_cache_max_object_size_mb=max_object_mb,
                          mm_processor_cache_type=cache_type)
     model = SimpleNamespace(get_multimodal_config=lambda: mm, supports_multimodal_inputs=True)
-    parallel = SimpleNamespace(world_size=world_size, _api_process_count=1, data_parallel_size=1,
+    parallel = SimpleNamespace(world_size=world_size, _api_process_count=api_servers,
+                               _api_process_rank=api_rank, data_parallel_size=dp,
+                               data_parallel_size_local=dp if dp_local is None else dp_local,
+                               data_parallel_index=dp_index, data_parallel_hybrid_lb=hybrid_lb,
                                data_parallel_external_lb=False, nnodes_within_dp=nodes,
                                node_rank_within_dp=node_rank,
                                local_world_size=world_size // nodes)
