@@ -60,6 +60,7 @@ from .errors import (
     CorruptObject,
     InvalidArgument,
     InvalidHandle,
+    KeyNotCached,
     ObjectTooLarge,
     StaleHandle,
     StoreFull,
@@ -82,6 +83,7 @@ SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread h
 LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
 DEFAULT_SETTLE_S = 10.0  # covers the steps the engine may still run with an aborted request
 DEFAULT_LEASE_S = 60.0  # rendering to add_request takes milliseconds; this is the backstop
+PRUNE_UPDATES = 64  # prompt updates kept beyond twice those of cached items before a prune
 READ_MEMORY = 1 << 16  # (request, hand-out) pairs a worker remembers having read
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}
@@ -305,8 +307,12 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         elif api_servers > 1 and api_rank > 0:  # API server 0 writes; this one through it
             self._store = RemoteWriter(name)
         else:
-            self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers, **kw))
+            # pages are taken as the ring fills, not all at start (vLLM's default capacity is
+            # 4 GiB; a server that sees few images should not hold all of it)
+            self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers,
+                                                               prefault=False, **kw))
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
+        self._prune_at = PRUNE_UPDATES
         self._touched: dict[str, tuple[Handle, int]] = {}  # kept hand-outs (and their numbers)
         self._hits = self._total = 0
         self._last = CacheInfo(hits=0, total=0)
@@ -361,8 +367,11 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:
-            if mm_hash not in self._touched and self.is_cached_item(mm_hash):
-                handle = self._store.get_cached(mm_hash)
+            if mm_hash not in self._touched and mm_hash in self._updates:
+                try:  # one call: through another API server's host, each is a round trip
+                    handle = self._store.get_cached(mm_hash)
+                except KeyNotCached:
+                    return
                 self._touched[mm_hash] = (handle, self._store.handout_seq)
 
     def release_sender_touches(self) -> None:
@@ -407,11 +416,12 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 return mm_item  # type: ignore[no-any-return]
             self.items["stored"] += 1
         number = self._store.handout_seq
-        if len(self._updates) >= 2 * len(self._store) + 64:
+        if len(self._updates) >= self._prune_at:  # drop the updates of items gone from the store
             keys = list(self._updates)
             cached = (self._store.cached(keys) if isinstance(self._store, RemoteWriter)
                       else [self._store.is_cached(k) for k in keys])
             self._updates = {k: self._updates[k] for k, c in zip(keys, cached, strict=True) if c}
+            self._prune_at = 2 * len(self._updates) + PRUNE_UPDATES
         self._updates[mm_hash] = prompt_updates
         out = self._hand_out(handle, number, mm_item, mm_hash)
         return (mm_item if out is None else (out, prompt_updates))
@@ -549,7 +559,7 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         """This worker's reader, attached at first use with the worker's local rank."""
         if self._reader is None:
             first = _first_reader(self._name, self._engine, self._per_engine)
-            self._reader = ObjectStore.attach(self._name, first + _local_rank())
+            self._reader = ObjectStore.attach(self._name, first + _local_rank(), prefault=False)
         return self._reader
 
     def features_of_request(self, request_id: str, mm_features: list[Any]) -> list[Any]:
@@ -690,7 +700,9 @@ def install() -> None:
             log.warning("shmstore: vLLM's processor-only cache stays (%s)", why)
         return cache_type
 
-    factories._get_cache_type = get_cache_type
+    if not getattr(original_type, "_shmstore_hook", False):  # install() may run again
+        get_cache_type._shmstore_hook = True  # type: ignore[attr-defined]
+        factories._get_cache_type = get_cache_type
     # vLLM names the segment when a process first asks, and sets the name in its environment:
     # ask now, so every process started from here (several API servers, DP engines) shares it
     import vllm.envs as envs

@@ -245,7 +245,8 @@ class WriterHost(Closeable):
             if op == "is_cached":
                 return writer.is_cached(key)
             if op == "get_cached":
-                return [_handle_out(writer.get_cached(key)), writer.handout_seq]
+                return [_handle_out(writer.get_cached(key)), writer.handout_seq,
+                        writer.object_id(key)]
             found = getattr(writer, op)(key)
             return _handle_out(found) if isinstance(found, Handle) else found
         if op == "cached":
@@ -295,7 +296,8 @@ class WriterHost(Closeable):
             if op == "abandon":
                 lent.reserved = False
                 return None
-            return [_handle_out(writer.commit_loan(lent)), writer.handout_seq]
+            handle = writer.commit_loan(lent)
+            return [_handle_out(handle), writer.handout_seq, writer.object_id(lent.key)]
         raise ProtocolError(f"unknown request {op!r}")
 
     def close(self) -> None:
@@ -328,6 +330,7 @@ class RemoteWriter(Closeable):
     def __init__(self, name: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.name = name
         self.handout_seq = 0
+        self._last_id: tuple[str | bytes, bytes | None] | None = None  # (key, its object id)
         deadline = Deadline(connect_timeout_s)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -351,7 +354,7 @@ class RemoteWriter(Closeable):
                 raise ProtocolError(f"store {name!r} is served with protocol {protocol}, this "
                                     f"client speaks {PROTOCOL}: run one shmstore version")
             self.n_readers, self.max_object_bytes = n_readers, max_object
-            self._ring = ShmRingBuffer.attach(name)
+            self._ring = ShmRingBuffer.attach(name, prefault=False)  # pages as the ring fills
         except BaseException:
             self.close()
             raise
@@ -391,7 +394,8 @@ class RemoteWriter(Closeable):
         return int(self._call("len"))
 
     def get_cached(self, key: str | bytes) -> Handle:
-        handle, self.handout_seq = self._call("get_cached", key)
+        handle, self.handout_seq, object_id = self._call("get_cached", key)
+        self._last_id = (key, object_id)
         return _handle_in(handle)
 
     def handle_of(self, key: str | bytes) -> Handle | None:
@@ -399,6 +403,10 @@ class RemoteWriter(Closeable):
         return None if found is None else _handle_in(found)
 
     def object_id(self, key: str | bytes) -> bytes | None:
+        """The object id of `key`: that of the last get_cached or put if it was `key` (no
+        round trip), else the host's."""
+        if self._last_id is not None and self._last_id[0] == key:
+            return self._last_id[1]
         found = self._call("object_id", key)
         return None if found is None else bytes(found)
 
@@ -423,6 +431,7 @@ class RemoteWriter(Closeable):
         return bool(self._call("withdraw", _handle_out(handle)))
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
+        self._last_id = None
         self._call("clear", keep_handed_out)
 
     def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
@@ -446,7 +455,8 @@ class RemoteWriter(Closeable):
             with contextlib.suppress(ShmStoreError):
                 self._call("abandon", loan)
             raise
-        handle, self.handout_seq = self._call("commit", loan)
+        handle, self.handout_seq, object_id = self._call("commit", loan)
+        self._last_id = (key, object_id)
         return _handle_in(handle)
 
     @property

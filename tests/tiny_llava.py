@@ -21,8 +21,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
-def build(out: Path, seed: int = 0) -> Path:
-    """Write the model, tokenizer and processor to `out`; return it."""
+def build(out: Path, seed: int = 0, image_size: int = IMAGE_SIZE) -> Path:
+    """Write the model, tokenizer and processor to `out`; return it. `image_size` (pixels, a
+    multiple of 14): 336 is LLaVA-1.5's (576 image tokens, pixel_values of 1.35 MB in fp32)."""
     import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,17 +53,18 @@ def build(out: Path, seed: int = 0) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE},
-            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size}),
         tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
         chat_template=CHAT_TEMPLATE, num_additional_image_tokens=1)
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32),
+            image_size=image_size, patch_size=PATCH, projection_dim=32),
         text_config=LlamaConfig(  # head_dim 64: one vLLM's CPU attention supports
             hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+            num_key_value_heads=2, vocab_size=len(tokenizer),
+            max_position_embeddings=max(512, 2 * (image_size // PATCH) ** 2),
             bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2, vision_feature_select_strategy="default",

@@ -1,0 +1,247 @@
+"""Real `vllm serve` runs (CPU build, tiny random LLaVA built offline) for each deployment shape,
+vLLM's own caches against shmstore's.
+
+    OMP_NUM_THREADS=1 python bench/bench_serve.py [--quick] [--image-size 336] [--repeats 1]
+                                                  [--json PATH]
+
+Configurations (each a fresh server, run one after another, in rounds when --repeats > 1):
+
+    api2-fallback   --api-server-count 2 --tensor-parallel-size 2, --mm-processor-cache-type shm
+                    with SHMSTORE_VLLM=0: vLLM turns IPC caching off (processor_only)
+    api2-shmstore   the same with shmstore: one shared store
+    dp2-fallback    --data-parallel-size 2 (two API servers, two engines), SHMSTORE_VLLM=0
+    dp2-shmstore    the same with shmstore
+    one-lru         one API server, TP 2, vLLM's default lru cache
+    one-vllm-shm    one API server, TP 2, vLLM's own shm cache (SHMSTORE_VLLM=0)
+    one-shmstore    one API server, TP 2, shmstore
+
+Workload cells: image hit mixes 0% (every image new), 100% (a few images, sent once before the
+cell) and zipf (s = 1.1 over a pool: about 60% repeats), at concurrency 1 and 4; streaming chat
+completions, 8 tokens each. Reported per cell: TTFT p50 and p99 (first streamed token), requests
+per second; per server, after the cells: its memory, the PSS of every process of the server
+(shared pages split among their users; /proc/PID/smaps_rollup) less their shared-memory pages,
+plus every byte the server holds in /dev/shm (shmstore's store is reserved whole at start, so
+no write can ever SIGBUS; vLLM's segments grow as they are written).
+Ratios compare each shmstore configuration with the vLLM configuration of the same shape, in
+the same run. Timings on a shared 2-core machine are noisy: compare ratios, not absolutes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.test_vllm_serve import Server, image  # noqa: E402
+from tests.tiny_llava import build  # noqa: E402
+
+API2 = ("--api-server-count", "2", "--tensor-parallel-size", "2")
+DP2 = ("--data-parallel-size", "2")
+ONE = ("--tensor-parallel-size", "2")
+CONFIGS = {  # name: (arguments, cache type, shmstore on)
+    "api2-fallback": (API2, "shm", False),
+    "api2-shmstore": (API2, "shm", True),
+    "dp2-fallback": (DP2, "shm", False),
+    "dp2-shmstore": (DP2, "shm", True),
+    "one-lru": (ONE, "lru", False),
+    "one-vllm-shm": (ONE, "shm", False),
+    "one-shmstore": (ONE, "shm", True),
+}
+PAIRS = [("api2-shmstore", "api2-fallback"), ("dp2-shmstore", "dp2-fallback"),
+         ("one-shmstore", "one-vllm-shm"), ("one-shmstore", "one-lru")]
+MIXES = ("0%", "100%", "zipf")
+CONCURRENCY = (1, 4)
+HOT = 4  # images of the 100% mix
+POOL = 64  # images the zipf mix draws from
+
+
+def ttft(server: Server, seed: int) -> float:
+    """Seconds from sending a streaming chat request with image `seed` to its first token."""
+    body = {"model": server.model, "max_tokens": 8, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image(seed)}},
+                {"type": "text", "text": "describe the image"}]}]}
+    request = urllib.request.Request(f"{server.url}/v1/chat/completions",
+                                     json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if first is None and line.startswith(b"data: {") and b'"content"' in line:
+                first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("no token streamed")
+    return first
+
+
+def seeds_for(mix: str, n: int, rng: random.Random, fresh: list[int]) -> list[int]:
+    if mix == "0%":
+        out = fresh[:n]
+        del fresh[:n]
+        return out
+    if mix == "100%":
+        return [10_000 + i % HOT for i in range(n)]
+    weights = [1 / (k + 1) ** 1.1 for k in range(POOL)]
+    return [20_000 + rng.choices(range(POOL), weights)[0] for _ in range(n)]
+
+
+def run_cell(server: Server, seeds: list[int], concurrency: int) -> dict[str, float]:
+    times: list[float] = []
+    lock = threading.Lock()
+    queue = list(seeds)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                seed = queue.pop(0)
+            took = ttft(server, seed)
+            with lock:
+                times.append(took)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    times.sort()
+    return {"ttft_p50_ms": 1e3 * statistics.median(times),
+            "ttft_p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
+            "requests_per_s": len(times) / wall, "n": len(times)}
+
+
+def pss_bytes(pgid: int) -> int:
+    """PSS of every process in the process group (the server and all it started), less the
+    shared-memory pages they map (those are counted whole, in /dev/shm)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            for line in (entry / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                elif line.startswith("Pss_Shmem:"):
+                    total -= int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def shm_bytes() -> int:
+    total = 0
+    for path in Path("/dev/shm").iterdir():
+        try:
+            total += path.stat().st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+def run_config(name: str, model: Path, n: int, log_dir: Path) -> dict[str, Any]:
+    arguments, cache_type, shmstore = CONFIGS[name]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0"}
+    shm_before = shm_bytes()
+    server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
+                    "--max-num-seqs", "4", "--max-model-len", "1024", cache_type=cache_type,
+                    cache_gb="1", env=env)
+    try:
+        for seed in range(10_000, 10_000 + HOT):  # the 100% mix's images, once
+            ttft(server, seed)
+        rng = random.Random(0)
+        fresh = list(range(30_000, 30_000 + 2 * n * len(CONCURRENCY)))
+        cells = {}
+        for mix in MIXES:
+            for concurrency in CONCURRENCY:
+                cells[f"{mix} c{concurrency}"] = run_cell(
+                    server, seeds_for(mix, n, rng, fresh), concurrency)
+        return {"cells": cells, "pss_bytes": pss_bytes(server.proc.pid),
+                "shm_bytes": shm_bytes() - shm_before}
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 requests per cell")
+    parser.add_argument("--image-size", type=int, default=336)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    n = 6 if args.quick else 24
+    names = [c for c in args.configs.split(",") if c]
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(Path(tmp) / "model", image_size=args.image_size)
+        for _ in range(args.repeats):
+            for name in names:
+                runs[name].append(run_config(name, model, n, Path(tmp)))
+                print(f"{name}: done", file=sys.stderr, flush=True)
+    result = summarize(runs)
+    result["image_size"] = args.image_size
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians over the repeats, per configuration and cell."""
+    out: dict[str, Any] = {"configs": {}}
+    for name, reps in runs.items():
+        cells = {}
+        for cell in reps[0]["cells"]:
+            cells[cell] = {k: statistics.median(r["cells"][cell][k] for r in reps)
+                           for k in reps[0]["cells"][cell]}
+        pss = statistics.median(r["pss_bytes"] for r in reps) / 2**20
+        shm = statistics.median(r["shm_bytes"] for r in reps) / 2**20
+        out["configs"][name] = {"cells": cells, "pss_mb": pss, "shm_mb": shm,
+                                "memory_mb": pss + shm}
+    return out
+
+
+def report(result: dict[str, Any]) -> None:
+    configs = result["configs"]
+    print(f"image {result.get('image_size', '?')} px; TTFT p50 / p99 ms, requests/s")
+    for name, data in configs.items():
+        print(f"\n{name}: memory {data['memory_mb']:.0f} MB (processes {data['pss_mb']:.0f}, "
+              f"/dev/shm {data['shm_mb']:.1f})")
+        for cell, v in data["cells"].items():
+            print(f"  {cell:10s} {v['ttft_p50_ms']:7.1f} {v['ttft_p99_ms']:7.1f} "
+                  f"{v['requests_per_s']:6.2f}/s")
+    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s; memory")
+    for mine, theirs in PAIRS:
+        if mine not in configs or theirs not in configs:
+            continue
+        a, b = configs[mine], configs[theirs]
+        print(f"{mine} / {theirs}: memory {a['memory_mb'] / b['memory_mb']:.2f}")
+        for cell in a["cells"]:
+            x, y = a["cells"][cell], b["cells"][cell]
+            print(f"  {cell:10s} {x['ttft_p50_ms'] / y['ttft_p50_ms']:5.2f} "
+                  f"{x['ttft_p99_ms'] / y['ttft_p99_ms']:5.2f} "
+                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
