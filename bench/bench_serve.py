@@ -159,12 +159,12 @@ def shm_bytes() -> int:
     return total
 
 
-def run_config(name: str, model: Path, n: int, log_dir: Path) -> dict[str, Any]:
+def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int) -> dict[str, Any]:
     arguments, cache_type, shmstore = CONFIGS[name]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0"}
     shm_before = shm_bytes()
     server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
-                    "--max-num-seqs", "4", "--max-model-len", "1024", cache_type=cache_type,
+                    "--max-num-seqs", "4", "--max-model-len", str(max(1024, 2 * (image_size // 14) ** 2)), cache_type=cache_type,
                     cache_gb="1", env=env)
     try:
         for seed in range(10_000, 10_000 + HOT):  # the 100% mix's images, once
@@ -197,7 +197,7 @@ def main() -> None:
         model = build(Path(tmp) / "model", image_size=args.image_size)
         for _ in range(args.repeats):
             for name in names:
-                runs[name].append(run_config(name, model, n, Path(tmp)))
+                runs[name].append(run_config(name, model, n, Path(tmp), args.image_size))
                 print(f"{name}: done", file=sys.stderr, flush=True)
     result = summarize(runs)
     result["image_size"] = args.image_size
