@@ -163,9 +163,10 @@ def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int) -
     arguments, cache_type, shmstore = CONFIGS[name]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0"}
     shm_before = shm_bytes()
+    max_len = max(1024, 2 * (image_size // 14) ** 2)  # two prompts' worth of image tokens
     server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
-                    "--max-num-seqs", "4", "--max-model-len", str(max(1024, 2 * (image_size // 14) ** 2)), cache_type=cache_type,
-                    cache_gb="1", env=env)
+                    "--max-num-seqs", "4", "--max-model-len", str(max_len),
+                    cache_type=cache_type, cache_gb="1", env=env)
     try:
         for seed in range(10_000, 10_000 + HOT):  # the 100% mix's images, once
             ttft(server, seed)
