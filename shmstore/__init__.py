@@ -34,6 +34,7 @@ from .errors import (
     Timeout,
     WriterGone,
     WrongProcess,
+    WrongThread,
 )
 from .handle import Handle
 from .hashing import mm_hash
@@ -75,6 +76,7 @@ __all__ = [
     "ShmSpaceError",
     "SegmentClosed",
     "WrongProcess",
+    "WrongThread",
     "StoreFull",
     "ObjectTooLarge",
     "NotSerializable",

@@ -9,11 +9,12 @@ writer is dropped and counted; a chunk still being filled by an open reserve() i
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from ._store_layout import OBJECT_HEADER, ReaderLedger, StoreBase
 from ._wait import Deadline, wait_until
-from .errors import StoreFull
+from .errors import StoreFull, WrongThread
 from .handle import Handle
 from .policy import EvictionPolicy
 from .ring import Chunk, RingWriter
@@ -56,16 +57,35 @@ class StoreSpace(StoreBase):
     _bytes_reinserted: int
     _damaged: int
     _withdrawn: int
+    _busy: threading.RLock
+    _busy_thread: int = 0
 
     # -- guard shortcuts ---------------------------------------------------------------------
 
     def _guard_enter(self) -> None:
+        """Start a writer call: one thread at a time (WrongThread for a second one, rather
+        than a corrupted index), re-entrant for the same thread (a signal handler)."""
         assert self._guard is not None  # set in __init__; never None on a writer
-        self._guard.enter()
+        if not self._busy.acquire(blocking=False):
+            me = threading.get_ident()
+            raise WrongThread(
+                f"store {self.name!r}: thread {me} called the writer while thread "
+                f"{self._busy_thread} is inside a call of it; the writer is for one thread at "
+                "a time: hold one lock around every call (stats() may be called from any "
+                "thread)", self._busy_thread, me)
+        try:
+            self._busy_thread = threading.get_ident()
+            self._guard.enter()
+        except BaseException:
+            self._busy.release()
+            raise
 
     def _guard_leave(self) -> None:
         assert self._guard is not None
-        self._guard.leave()
+        try:
+            self._guard.leave()
+        finally:
+            self._busy.release()
 
     def _guard_check(self) -> None:
         assert self._guard is not None

@@ -24,6 +24,7 @@ __all__ = [
     "ShmSpaceError",
     "SegmentClosed",
     "WrongProcess",
+    "WrongThread",
     "StoreFull",
     "ObjectTooLarge",
     "NotSerializable",
@@ -122,6 +123,15 @@ class WrongProcess(ShmStoreError, RuntimeError):
         super().__init__(message)
         self.owner_pid = owner_pid
         self.pid = pid
+
+
+class WrongThread(ShmStoreError, RuntimeError):
+    """A writer called from a second thread while another thread is inside a call of it."""
+
+    def __init__(self, message: str, owner_thread: int, thread: int) -> None:
+        super().__init__(message)
+        self.owner_thread = owner_thread
+        self.thread = thread
 
 
 class StoreFull(ShmStoreError, MemoryError):

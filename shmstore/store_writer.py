@@ -20,11 +20,13 @@ dropped and counted (damaged_objects).
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -56,6 +58,21 @@ from .serde import Encoded, blank_key, encode
 
 __all__ = ["StoreWriter", "Reservation"]
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _one_thread(method: _Method) -> _Method:
+    """A writer call that takes the writer for its duration (see StoreSpace._guard_enter)."""
+    @functools.wraps(method)
+    def call(self: StoreWriter, *args: Any, **kwargs: Any) -> Any:
+        self._guard_enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._guard_leave()
+    return cast(_Method, call)
+
+
 STATS_TRIES = 100  # stats() from another thread reads again if a put tore its snapshot
 
 
@@ -81,6 +98,7 @@ class StoreWriter(StoreSpace):
     """
 
     def __init__(self, ring: RingWriter, policy: EvictionPolicy) -> None:
+        self._busy = threading.RLock()  # held by the thread inside a call (_guard_enter)
         super().__init__(ring)
         self._writer_ring = ring
         self._policy = policy
@@ -233,11 +251,13 @@ class StoreWriter(StoreSpace):
             self._undo(done)
             raise
 
+    @_one_thread
     def is_cached(self, key: str | bytes) -> bool:
         """Say whether `key` is in the store; no side effect."""
         self._guard_check()
         return self._lookup(key) is not None
 
+    @_one_thread
     def handle_of(self, key: str | bytes) -> Handle | None:
         """The handle of the cached object of `key` without handing it out (None if it is not
         cached); for checking a handle that arrived from elsewhere. No side effect."""
@@ -245,6 +265,7 @@ class StoreWriter(StoreSpace):
         entry = self._lookup(key)
         return None if entry is None else entry.handle
 
+    @_one_thread
     def object_id(self, key: str | bytes) -> bytes | None:
         """The id of the cached object of `key` (key digest + origin seq, 24 bytes, as
         StoredBody.object_id), None if it is not cached: the key a relay node stores these
@@ -253,6 +274,7 @@ class StoreWriter(StoreSpace):
         entry = self._lookup(key)
         return None if entry is None else entry.handle.key_digest + U64.pack(entry.origin)
 
+    @_one_thread
     def object_bytes(self, key: str | bytes) -> int:
         """Serialized size of the cached object of `key`; KeyNotCached if it is not cached."""
         self._guard_check()
@@ -266,6 +288,7 @@ class StoreWriter(StoreSpace):
         """The number of the last hand-out (put or get_cached)."""
         return self._handout_seq
 
+    @_one_thread
     def give_back(self, handle: Handle, number: int | None = None) -> None:
         """Take back one hand-out of `handle` that no reader will read (an aborted request):
         hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
@@ -286,6 +309,7 @@ class StoreWriter(StoreSpace):
         entry.ended.discard(number)
         entry.handouts.remove(number)  # last: if this line ran, the give-back is done
 
+    @_one_thread
     def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
         """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
         hand-out whose handle goes to some readers only, decided after it was made (the
@@ -309,6 +333,7 @@ class StoreWriter(StoreSpace):
                               f"{self.name!r}", handle, self.name)
         entry.narrowed[number] = mask
 
+    @_one_thread
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
         """Say that the hand-outs of each (handle, numbers) are over: whoever they were made
         for will not read them any more (read or not). Once every hand-out of an object is
@@ -333,6 +358,7 @@ class StoreWriter(StoreSpace):
             owed.append(any(self._owed(entry, force=False)))
         return owed
 
+    @_one_thread
     def unread(self, handle: Handle) -> tuple[int, ...]:
         """Reads each reader still owes on the object of `handle` (all zero once every hand-out
         has been read or given back). No side effect.

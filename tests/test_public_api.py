@@ -13,7 +13,8 @@ EXPECTED = {
     "SenderCache", "ReceiverCache", "CacheStats", "mm_hash", "dumps", "loads", "Blank",
     "ShmStoreError", "InvalidArgument", "SegmentNotFound", "SegmentExists",
     "SegmentPermissionError", "IncompatibleSegment", "ShmSpaceError", "SegmentClosed",
-    "WrongProcess", "StoreFull", "ObjectTooLarge", "NotSerializable", "KeyExists", "KeyNotCached",
+    "WrongProcess", "WrongThread", "StoreFull", "ObjectTooLarge", "NotSerializable", "KeyExists",
+    "KeyNotCached",
     "InvalidKey", "StaleHandle", "InvalidHandle", "CorruptObject", "ReaderIndexError",
     "ReaderSlotBusy", "Timeout", "Closed", "MessageTooLarge", "WriterGone",
     "ProtocolError",
@@ -38,6 +39,7 @@ def test_errors_share_one_base_and_stdlib_meanings() -> None:
     assert issubclass(shmstore.StoreFull, MemoryError)
     assert issubclass(shmstore.ObjectTooLarge, ValueError)
     assert issubclass(shmstore.Timeout, TimeoutError)
+    assert issubclass(shmstore.WrongThread, RuntimeError)
     assert issubclass(shmstore.ShmSpaceError, OSError)
     assert issubclass(shmstore.SegmentNotFound, FileNotFoundError)
     assert issubclass(shmstore.Closed, EOFError)

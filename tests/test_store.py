@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -36,6 +38,7 @@ from tests._names import (
     StoreFull,
     StoreReader,
     StoreWriter,
+    WrongThread,
 )
 
 KIB = 1024
@@ -449,3 +452,39 @@ def test_pinned_copies_with_cuda_are_page_locked_and_equal(store) -> None:
     got = readers[1].get(h, pin_memory=True)
     assert got["x"].is_pinned() and torch.equal(got["x"], torch.arange(1000, dtype=torch.bfloat16))
     assert got["n"].tolist() == [0, 1, 2]  # numpy arrays are left as they are
+
+
+def test_a_second_thread_inside_the_writer_is_refused_loudly(store) -> None:
+    """The writer is for one thread at a time: a call from a second thread while one is inside
+    raises WrongThread (naming both) instead of corrupting the index; stats() is allowed."""
+    import threading
+
+    w, readers = store
+    h = w.put("a", blob(1))
+    inside = threading.Event()
+    errors: list[BaseException] = []
+
+    def holder() -> None:  # a put that waits for space, i.e. stays inside the writer
+        for i in range(2, 7):
+            w.put(f"k{i}", blob(i))
+        inside.set()
+        try:
+            w.put("waits", blob(9), timeout=5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(10)
+    time.sleep(0.2)
+    for call in (lambda: w.put("x", blob(0)), lambda: w.get_cached("a"),
+                 lambda: w.is_cached("a"), lambda: w.give_back(h), lambda: w.unread(h),
+                 lambda: w.end_handouts([(h, [1])]), lambda: w.clear()):
+        with pytest.raises(WrongThread, match="one thread at a time") as refused:
+            call()
+        assert refused.value.thread == threading.get_ident() != refused.value.owner_thread
+    assert w.stats().puts == 6  # from any thread
+    read_all(readers, h)  # the oldest is read: the waiting put goes through
+    t.join(10)
+    assert not errors and w.is_cached("waits") and w.is_cached("a") is False
+    read_all(readers, w.get_cached("k2"))  # the writer is whole and usable from this thread
