@@ -67,18 +67,27 @@ class StoreSpace(StoreBase):
         than a corrupted index), re-entrant for the same thread (a signal handler)."""
         assert self._guard is not None  # set in __init__; never None on a writer
         if not self._busy.acquire(blocking=False):
-            me = threading.get_ident()
-            raise WrongThread(
-                f"store {self.name!r}: thread {me} called the writer while thread "
-                f"{self._busy_thread} is inside a call of it; the writer is for one thread at "
-                "a time: hold one lock around every call (stats() may be called from any "
-                "thread)", self._busy_thread, me)
+            self._refuse_thread()
         try:
             self._busy_thread = threading.get_ident()
             self._guard.enter()
         except BaseException:
             self._busy.release()
             raise
+
+    def _check_thread(self) -> None:
+        """WrongThread if another thread is inside a writer call now."""
+        if not self._busy.acquire(blocking=False):
+            self._refuse_thread()
+        self._busy.release()
+
+    def _refuse_thread(self) -> None:
+        me = threading.get_ident()
+        raise WrongThread(
+            f"store {self.name!r}: thread {me} called the writer while thread "
+            f"{self._busy_thread} is inside a call of it; the writer is for one thread at "
+            "a time: hold one lock around every call (stats() may be called from any "
+            "thread)", self._busy_thread, me)
 
     def _guard_leave(self) -> None:
         assert self._guard is not None

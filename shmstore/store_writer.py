@@ -62,14 +62,13 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _one_thread(method: _Method) -> _Method:
-    """A writer call that takes the writer for its duration (see StoreSpace._guard_enter)."""
+    """A short writer call that refuses to start while another thread is inside the writer
+    (WrongThread); it does not hold the writer, so that its last statement stays its commit
+    point (an exception injected after it must not report undone what was done)."""
     @functools.wraps(method)
     def call(self: StoreWriter, *args: Any, **kwargs: Any) -> Any:
-        self._guard_enter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._guard_leave()
+        self._check_thread()
+        return method(self, *args, **kwargs)
     return cast(_Method, call)
 
 
