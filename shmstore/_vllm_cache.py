@@ -60,6 +60,7 @@ from .errors import (
     CorruptObject,
     InvalidArgument,
     InvalidHandle,
+    KeyExists,
     KeyNotCached,
     ObjectTooLarge,
     StaleHandle,
@@ -71,7 +72,7 @@ from .policy import DEFAULT_POLICY
 from .segment import peek_header
 from .store import ObjectStore, StoreReader, StoreWriter
 from .vllm_plugin import POLICY_ENV
-from .writer_host import RemoteWriter, WriterHost
+from .writer_host import MAX_KEYS, RemoteWriter, WriterHost
 
 __all__ = ["ShmstoreSenderCache", "ShmstoreReceiverCache", "install", "item_to_value",
            "value_to_item", "HANDLE_FIELD", "handle_from_item", "object_id_from_item"]
@@ -365,14 +366,38 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         with self._lock:
             return mm_hash in self._updates and self._store.is_cached(mm_hash)
 
-    def touch_sender_cache_item(self, mm_hash: str) -> None:
+    def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        """vLLM asks this before processing a request's misses, and touches its hits after:
+        take the hits' hand-outs now, in one call (one round trip through another API
+        server's host), so they are pinned from here on and the touches cost nothing. Hand-outs
+        a request never uses (its processing failed) go back at the next release."""
         with self._lock:
+            want = list(dict.fromkeys(h for h in mm_hashes
+                                      if h in self._updates and h not in self._touched))
+            if want:
+                store = self._store
+                if isinstance(store, RemoteWriter):
+                    found = [f for i in range(0, len(want), MAX_KEYS)
+                             for f in store.hand_out_cached(want[i:i + MAX_KEYS])]
+                else:
+                    found = [self._local_hand_out(h) for h in want]
+                for mm_hash, hit in zip(want, found, strict=True):
+                    if hit is not None:
+                        self._touched[mm_hash] = hit
+            return [h in self._touched for h in mm_hashes]
+
+    def _local_hand_out(self, mm_hash: str) -> tuple[Handle, int] | None:
+        try:
+            return self._store.get_cached(mm_hash), self._store.handout_seq
+        except KeyNotCached:
+            return None
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        with self._lock:  # is_cached took the hits' hand-outs: this finds them there
             if mm_hash not in self._touched and mm_hash in self._updates:
-                try:  # one call: through another API server's host, each is a round trip
-                    handle = self._store.get_cached(mm_hash)
-                except KeyNotCached:
-                    return
-                self._touched[mm_hash] = (handle, self._store.handout_seq)
+                hit = self._local_hand_out(mm_hash)
+                if hit is not None:
+                    self._touched[mm_hash] = hit
 
     def release_sender_touches(self) -> None:
         with self._lock:
@@ -407,11 +432,16 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if mm_item is None:
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
-        if self._store.is_cached(mm_hash):  # stored, but its prompt updates were dropped
-            handle = self._store.get_cached(mm_hash)
+        try:
+            handle = self._put(mm_hash, item)
+        except KeyExists:  # stored (by another API server), but not its prompt updates here
+            try:
+                handle = self._store.get_cached(mm_hash)
+            except KeyNotCached:  # evicted in between: not worth a second try
+                self.items["inline"] += 1
+                return mm_item  # type: ignore[no-any-return]
             self.items["shared"] += 1
         else:
-            handle = self._put(mm_hash, item)
             if handle is None:
                 return mm_item  # type: ignore[no-any-return]
             self.items["stored"] += 1

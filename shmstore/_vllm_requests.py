@@ -256,13 +256,17 @@ class RequestLedger:
     def routed(self, request_id: str, readers: Sequence[int]) -> None:
         """`request_id` goes to the engine whose workers are `readers`: its hand-outs are owed
         by them alone (the other engines' workers never see it)."""
+        store = self._store
         with self.lock:
             for number in self._requests.get(request_id, ()):
                 rec = self._handouts.get(number)
                 if rec is None:
                     continue
+                if isinstance(store, RemoteWriter):  # no round trip on the routing path
+                    store.narrow(rec.handle, number, readers, wait=False)
+                    continue
                 try:
-                    self._store.narrow(rec.handle, number, readers)
+                    store.narrow(rec.handle, number, readers)
                 except StaleHandle:
                     continue  # withdrawn or cleared meanwhile: its workers ask again
 

@@ -64,9 +64,11 @@ log = logging.getLogger("shmstore")
 PROTOCOL = 1
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
 MAX_CLIENTS = 64  # connections one host serves at once
+MAX_KEYS = 1024  # keys in one hand_out_cached or cached call
 MAX_LOANS = 16  # chunks one client may hold lent at once
 CONNECT_TIMEOUT_S = 30.0  # a client waits this long for the host to listen
 CALL_TIMEOUT_S = 60.0  # a reply slower than this means the host is stuck: the call fails
+POSTABLE = ("give_back", "narrow")  # calls a client may send without waiting (wait=False)
 LENGTH = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -83,6 +85,10 @@ def _peer_uid(sock: socket.socket) -> int:
 
 def _send(sock: socket.socket, obj: Any) -> None:
     body = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:  # refused before sending: the connection stays usable
+        raise InvalidArgument(f"a {obj[0]!r} request of {len(body)} bytes is over the "
+                              f"{MAX_FRAME_BYTES}-byte frame limit: use shorter keys (a content "
+                              "hash) or fewer at once", "request", len(body))
     sock.sendall(LENGTH.pack(len(body)) + body)
 
 
@@ -172,6 +178,7 @@ class WriterHost(Closeable):
         self._lock = lock
         self._clients: set[socket.socket] = set()
         self._closing = False
+        self.post_errors = 0  # calls sent with wait=False that failed other than StaleHandle
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(host_address(writer.name))
@@ -217,6 +224,9 @@ class WriterHost(Closeable):
                     return
                 if not isinstance(request, list) or not request or not isinstance(request[0], str):
                     raise ProtocolError("a request is [op, args...]")
+                if request[0] == "post":  # a call whose client does not wait: no reply
+                    self._posted(request[1:], loans)
+                    continue
                 try:
                     with self._lock:
                         reply = [0, self._call(request[0], request[1:], loans)]
@@ -235,6 +245,29 @@ class WriterHost(Closeable):
             self._clients.discard(sock)
             sock.close()
 
+    def _hand_out_one(self, key: Any) -> list[Any] | None:
+        writer = self._writer
+        if not writer.is_cached(key):
+            return None
+        return [_handle_out(writer.get_cached(key)), writer.handout_seq, writer.object_id(key)]
+
+    def _posted(self, request: list[Any], loans: dict[int, Entry]) -> None:
+        """Run a call sent with wait=False. Its errors are the client's, but it is not waiting
+        for them: a handle gone meanwhile is expected (logged at debug), others are logged."""
+        if not request or request[0] not in POSTABLE:
+            raise ProtocolError(f"only {', '.join(POSTABLE)} may be posted")
+        try:
+            with self._lock:
+                self._call(request[0], request[1:], loans)
+        except ProtocolError:
+            raise
+        except StaleHandle as exc:
+            log.debug("shmstore: store %r: posted %s: %s", self._writer.name, request[0], exc)
+        except (ShmStoreError, ValueError, TypeError, KeyError) as exc:
+            self.post_errors += 1
+            log.warning("shmstore: store %r: a client's posted %s failed: %s",
+                        self._writer.name, request[0], exc)
+
     def _call(self, op: str, args: list[Any], loans: dict[int, Entry]) -> Any:
         writer = self._writer
         if op == "hello":
@@ -249,10 +282,17 @@ class WriterHost(Closeable):
                         writer.object_id(key)]
             found = getattr(writer, op)(key)
             return _handle_out(found) if isinstance(found, Handle) else found
+        if op == "hand_out_cached":
+            keys = args[0]
+            if not isinstance(keys, list) or len(keys) > MAX_KEYS:
+                raise ProtocolError(f"hand_out_cached: a list of at most {MAX_KEYS} keys")
+            for key in keys:  # all checked first: a bad key hands nothing out
+                check_key(key)
+            return [self._hand_out_one(k) for k in keys]
         if op == "cached":
             keys = args[0]
-            if not isinstance(keys, list):
-                raise ProtocolError("cached: a list of keys")
+            if not isinstance(keys, list) or len(keys) > MAX_KEYS:
+                raise ProtocolError(f"cached: a list of at most {MAX_KEYS} keys")
             return [writer.is_cached(k) for k in keys]
         if op == "len":
             return len(writer)
@@ -359,6 +399,17 @@ class RemoteWriter(Closeable):
             self.close()
             raise
 
+    def _post(self, op: str, *args: Any) -> None:
+        """Send `op` without waiting for it: the host runs it before anything sent later."""
+        sock = self._sock
+        if sock is None:
+            raise Closed(f"the remote writer of store {self.name!r} is closed")
+        try:
+            _send(sock, ["post", op, *args])
+        except OSError as exc:
+            self.close()
+            raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
+
     def _call(self, op: str, *args: Any) -> Any:
         sock = self._sock
         if sock is None:
@@ -387,8 +438,10 @@ class RemoteWriter(Closeable):
         return bool(self._call("is_cached", key))
 
     def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
-        """is_cached for each of `keys`, in one round trip."""
-        return [bool(v) for v in self._call("cached", list(keys))]
+        """is_cached for each of `keys`, in one round trip per MAX_KEYS keys."""
+        keys = list(keys)
+        return [bool(v) for i in range(0, len(keys), MAX_KEYS)
+                for v in self._call("cached", keys[i:i + MAX_KEYS])]
 
     def __len__(self) -> int:
         return int(self._call("len"))
@@ -410,15 +463,49 @@ class RemoteWriter(Closeable):
         found = self._call("object_id", key)
         return None if found is None else bytes(found)
 
-    def give_back(self, handle: Handle, number: int | None = None) -> None:
-        self._call("give_back", _handle_out(handle), number)
+    def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
+        """get_cached for each of `keys` that is cached, in one round trip: (its handle, the
+        hand-out's number), or None for a key that is not cached."""
+        keys = list(keys)
+        if len(keys) > MAX_KEYS:
+            raise InvalidArgument(f"hand_out_cached takes at most {MAX_KEYS} keys at once, got "
+                                  f"{len(keys)}: split them", "keys", len(keys))
+        for key in keys:
+            check_key(key)
+        found = self._call("hand_out_cached", keys)
+        if not isinstance(found, list) or len(found) != len(keys):
+            self.close()
+            raise Closed(f"the host of store {self.name!r} sent a malformed reply")
+        out: list[tuple[Handle, int] | None] = []
+        for key, f in zip(keys, found, strict=True):
+            if f is None:
+                out.append(None)
+                continue
+            handle, number, object_id = f
+            out.append((_handle_in(handle), _ints([number], "number")[0]))
+            self.handout_seq, self._last_id = number, (key, object_id)
+        return out
+
+    def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
+        """As StoreWriter.give_back. wait=False sends it without waiting: the host gives it
+        back before any later call of this client, and logs (does not raise) StaleHandle."""
+        if wait:
+            self._call("give_back", _handle_out(handle), number)
+        else:
+            self._post("give_back", _handle_out(handle), number)
 
     def hand_out(self, handle: Handle) -> Handle:
         self.handout_seq = self._call("hand_out", _handle_out(handle))
         return handle
 
-    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
-        self._call("narrow", _handle_out(handle), number, list(readers))
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
+               wait: bool = True) -> None:
+        """As StoreWriter.narrow; wait=False as in give_back (narrowing late is safe: until
+        then every reader owes the hand-out)."""
+        if wait:
+            self._call("narrow", _handle_out(handle), number, list(readers))
+        else:
+            self._post("narrow", _handle_out(handle), number, list(readers))
 
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
         return [bool(v) for v in

@@ -153,9 +153,12 @@ def test_a_hit_sends_a_handle_without_the_processor_and_counts(caches: Any) -> N
                 sender.get_and_update_item(None, "h2")[0]):
         for r in receivers:
             r.get_and_update_item(over_the_wire(out), "h2")
-    before = sender.store.stats()
-    assert sender.is_cached(["h2", "nope"]) == [True, False]
-    assert sender.store.stats() == before  # is_cached has no side effect
+    before = sender.store.stats().hits
+    assert sender.is_cached(["h2", "nope", "h2"]) == [True, False, True]
+    assert sender.is_cached(["h2"]) == [True]  # asked again: still the one hand-out
+    assert sender.store.stats().hits == before + 1  # is_cached took the hit's hand-out
+    sender.touch_sender_cache_item("h2")  # and the touch finds it
+    assert sender.store.stats().hits == before + 1
     out, updates = sender.get_and_update_item(None, "h2")  # the processor did not run
     assert updates == ["u2"]  # P0 kept them
     for r in receivers:
@@ -186,6 +189,37 @@ def test_touched_items_survive_eviction_until_released(name: str) -> None:
         for i in range(8, 16):
             send(f"x{i}")
         assert not sender.is_cached_item("a") and not sender.is_cached_item("x7")
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_is_cached_pins_the_hits_until_used_or_released(name: str) -> None:
+    """vLLM asks is_cached, then processes the misses (which may evict), then touches: the
+    hits are pinned from is_cached on. A request whose processing fails never uses them: they
+    are given back at the next release, and the store evicts them again."""
+    cfg = config(name, cache_mb=6, max_object_mb=6, world_size=1)
+    sender = ShmstoreSenderCache(cfg)
+    receiver = ShmstoreReceiverCache(cfg, None)
+    try:
+        def send(h: str) -> None:
+            out, _ = sender.get_and_update_item((image_item(hash(h) % 100), []), h)
+            receiver.get_and_update_item(over_the_wire(out), h)
+
+        send("a")
+        send("b")
+        assert sender.is_cached(["a", "b", "c"]) == [True, True, False]
+        for i in range(8):  # a miss processed meanwhile, several times the store
+            send(f"x{i}")
+        assert sender.is_cached(["a", "b"]) == [True, True]  # both held
+        out, _ = sender.get_and_update_item(None, "a")  # a's request goes on
+        receiver.get_and_update_item(over_the_wire(out), "a")
+        sender.release_sender_touches()  # b's request failed: b goes back
+        assert sender.store.unread(sender.store.handle_of("b")) == (0,)  # nothing owed
+        for i in range(8, 16):
+            send(f"x{i}")
+        assert sender.is_cached(["a", "b"]) == [False, False]
+        assert sender.store.stats().reader_lag == (0,)
     finally:
         receiver.close()
         sender.close()

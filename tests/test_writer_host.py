@@ -172,6 +172,57 @@ def _raw(name: str) -> socket.socket:
     return sock
 
 
+def test_hand_out_cached_takes_every_hit_in_one_call(hosted) -> None:
+    writer, _, client, readers, lock = hosted
+    a, b = client.put("a", blob(1)), client.put("b", blob(2))
+    with pytest.raises(InvalidKey):  # checked before anything is handed out
+        client._call("hand_out_cached", ["a", ""])
+    assert writer.unread(a) == writer.unread(b) == (1, 1)
+    found = client.hand_out_cached(["b", "missing", "a"])
+    assert found[1] is None
+    assert [f[0] for f in found if f] == [b, a]
+    assert [f[1] for f in found if f] == [3, 4] and client.handout_seq == 4
+    assert client.object_id("a") == writer.object_id("a")  # no round trip: kept from the call
+    assert writer.unread(a) == writer.unread(b) == (2, 2)
+    client.give_back(a, 4)
+    client.give_back(b, 3)
+    for r in readers:
+        r.get(a), r.get(b)
+    assert writer.unread(a) == writer.unread(b) == (0, 0)
+    with pytest.raises(InvalidArgument, match="at most"):
+        client.hand_out_cached(["k"] * (writer_host.MAX_KEYS + 1))
+
+
+def test_posted_calls_run_in_order_and_fail_quietly(hosted, caplog) -> None:
+    writer, host, client, readers, _ = hosted
+    handle = client.put("a", blob(1))
+    put = client.handout_seq
+    client.hand_out(handle)
+    client.narrow(handle, put, [0], wait=False)  # no reply waited for
+    assert client.unread(handle) == (2, 1)  # but run before the next call
+    client.give_back(handle, put, wait=False)
+    client.give_back(handle, put, wait=False)  # a second time: stale, logged at debug only
+    assert client.unread(handle) == (1, 1) and host.post_errors == 0
+    client.narrow(handle, client.handout_seq, [5], wait=False)  # no such reader: counted
+    assert client.is_cached("a") and host.post_errors == 1  # the connection goes on
+    assert "posted narrow failed" in caplog.text
+    sock = _raw(writer.name)  # only give_back and narrow may be posted
+    frame = msgpack.packb(["post", "clear", False])
+    sock.sendall(struct.pack("<I", len(frame)) + frame)
+    assert sock.recv(1 << 16) == b""  # dropped
+    sock.close()
+    assert len(writer) == 1
+
+
+def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> None:
+    _, _, client, _, _ = hosted
+    with pytest.raises(InvalidArgument, match="frame limit"):
+        client.is_cached("k" * writer_host.MAX_FRAME_BYTES)
+    client.put("a", blob(1))  # the connection is still in step
+    keys = [f"key-{i}" for i in range(3 * writer_host.MAX_KEYS)] + ["a"]
+    assert client.cached(keys) == [False] * (len(keys) - 1) + [True]  # in several calls
+
+
 @pytest.mark.parametrize("frame", [
     struct.pack("<I", 0),
     struct.pack("<I", writer_host.MAX_FRAME_BYTES + 1),
