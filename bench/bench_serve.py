@@ -18,9 +18,7 @@ Configurations (each a fresh server, run one after another, in rounds when --rep
 Workload cells: image hit mixes 0% (every image new), 100% (a few images, sent once before the
 cell) and zipf (s = 1.1 over a pool: about 60% repeats), at concurrency 1 and 4; streaming chat
 completions, 8 tokens each. Reported per cell: TTFT p50 and p99 (first streamed token), requests
-per second, megabytes written per request by all the server's processes through system calls
-(/proc/PID/io wchar: what travels by value over sockets and pipes, plus logs; not shared
-memory); per server, after the cells: its memory, the PSS of every process of the server
+per second; per server, after the cells: its memory, the PSS of every process of the server
 (shared pages split among their users; /proc/PID/smaps_rollup) less their shared-memory pages,
 plus every byte the server holds in /dev/shm (shmstore's store is reserved whole at start, so
 no write can ever SIGBUS; vLLM's segments grow as they are written).
@@ -103,28 +101,8 @@ def seeds_for(mix: str, n: int, rng: random.Random, fresh: list[int]) -> list[in
     return [20_000 + rng.choices(range(POOL), weights)[0] for _ in range(n)]
 
 
-def written_bytes(pgid: int) -> int:
-    """Bytes every process of the server has written through system calls (/proc/PID/io
-    wchar): sockets, pipes and files, so every item that travels by value between its
-    processes over ZeroMQ; not what goes through shared memory."""
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-            for line in (entry / "io").read_text().splitlines():
-                if line.startswith("wchar:"):
-                    total += int(line.split()[1])
-        except (OSError, ValueError):
-            continue
-    return total
-
-
 def run_cell(server: Server, seeds: list[int], concurrency: int) -> dict[str, float]:
     times: list[float] = []
-    written = written_bytes(server.proc.pid)
     lock = threading.Lock()
     queue = list(seeds)
 
@@ -145,12 +123,10 @@ def run_cell(server: Server, seeds: list[int], concurrency: int) -> dict[str, fl
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    written = written_bytes(server.proc.pid) - written
     times.sort()
     return {"ttft_p50_ms": 1e3 * statistics.median(times),
             "ttft_p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
-            "requests_per_s": len(times) / wall, "n": len(times),
-            "written_mb_per_request": written / len(times) / 1e6}
+            "requests_per_s": len(times) / wall, "n": len(times)}
 
 
 def pss_bytes(pgid: int) -> int:
@@ -257,9 +233,8 @@ def report(result: dict[str, Any]) -> None:
               f"/dev/shm {data['shm_mb']:.1f})")
         for cell, v in data["cells"].items():
             print(f"  {cell:10s} {v['ttft_p50_ms']:7.1f} {v['ttft_p99_ms']:7.1f} "
-                  f"{v['requests_per_s']:6.2f}/s {v['written_mb_per_request']:7.2f} MB written")
-    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, bytes written "
-          "per request; memory")
+                  f"{v['requests_per_s']:6.2f}/s")
+    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s; memory")
     for mine, theirs in PAIRS:
         if mine not in configs or theirs not in configs:
             continue
@@ -269,8 +244,7 @@ def report(result: dict[str, Any]) -> None:
             x, y = a["cells"][cell], b["cells"][cell]
             print(f"  {cell:10s} {x['ttft_p50_ms'] / y['ttft_p50_ms']:5.2f} "
                   f"{x['ttft_p99_ms'] / y['ttft_p99_ms']:5.2f} "
-                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f} "
-                  f"{x['written_mb_per_request'] / max(y['written_mb_per_request'], 1e-9):5.2f}")
+                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f}")
 
 
 if __name__ == "__main__":

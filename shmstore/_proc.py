@@ -43,7 +43,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    try:  # a zombie (killed, not yet reaped by its parent) is dead: it holds nothing
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2][1:2]
+    except OSError:
+        return True
+    return state not in (b"Z", b"X")
 
 
 def int_arg(value: Any, argument: str, low: int, high: int) -> int:

@@ -101,6 +101,7 @@ class _Node:
     acked: int
     last_heard: float
     identity: tuple[str, str | bytes] = ("name", "")  # its public key, or (plain) its name
+    since: int = 0  # its HELLO's connection time: the newest connection of a node stays
     last_progress: float = 0.0  # when it last acknowledged something, or was caught up
     answered: set[int] = field(default_factory=set)  # NEEDs answered while unacknowledged
     held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
@@ -338,30 +339,37 @@ class Publisher(Peer):
                             self.endpoint, node.name, kind)
 
     def _hello(self, rid: bytes, fields: list[Any], identity: tuple[str, Any]) -> None:
-        version, name, epoch, held = fields
+        version, name, epoch, held, since = fields
         if version != PROTOCOL_VERSION:
             self._bad += 1
             log.warning("publisher %s: node %r speaks protocol %d, this one %d; ignored",
                         self.endpoint, name, version, PROTOCOL_VERSION)
             return
         assert self._reader is not None  # serve() checked
-        # a node already connected under this identity (a second connection, or a HELLO again)
-        # joins once: counted in nodes_joined only when it is new
-        again = any(n.identity == identity for n in self._nodes.values())
-        known = self._nodes.get(rid)
-        if known is not None:
-            self._drop(known, "it said HELLO again")
-        # the same node on another connection counts once (nodes_connected); the older one
-        # goes when it falls silent or unreachable: a HELLO queued on a connection that dies
-        # must not drop the live one
-        others = {n.identity for n in self._nodes.values()} - {identity}
-        if len(others) >= self.max_nodes or len(self._nodes) >= 2 * self.max_nodes:
+        same = [n for n in self._nodes.values() if n.identity == identity]
+        if any(n.since > since for n in same):
+            # an older connection's HELLO arriving late: that connection is dead already
+            log.info("publisher %s: node %r: a HELLO of an older connection ignored",
+                     self.endpoint, name)
+            return
+        for n in same:  # the node connected again (a relay restarted or reconnected)
+            if n.rid == rid:
+                self._drop(n, "it said HELLO again")
+            else:  # not a drop: the node stays, on its newer connection
+                del self._nodes[n.rid]
+                log.warning("publisher %s: node %r: its newer connection replaces the older one "
+                            "(if this repeats, two relays use one key or node name)",
+                            self.endpoint, name)
+        # joined: counted once while any connection of this node lives
+        again = bool(same)
+        others = {n.identity for n in self._nodes.values()}
+        if len(others) >= self.max_nodes:
             self._refused += 1
             log.warning("publisher %s: node %r refused: %d nodes connected already (max_nodes)",
                         self.endpoint, name, len(self._nodes))
             return
         now = time.monotonic()
-        node = _Node(rid, name, self._msg_no, now, identity, now)
+        node = _Node(rid, name, self._msg_no, now, identity, since=since, last_progress=now)
         if epoch == self._reader.store_epoch:
             for object_id in held:
                 node.hold(object_id)

@@ -29,6 +29,7 @@ trip; the origin seq lets a worker on another node find its relay's copy).
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import os
@@ -53,7 +54,7 @@ from vllm.multimodal.inputs import (
 )
 from vllm.utils.cache import CacheInfo
 
-from ._proc import env_seconds
+from ._proc import env_seconds, pid_alive
 from ._vllm_nodes import FEED_ERRORS, HeadPublisher, NodeFeed, node_layout
 from ._vllm_requests import RequestLedger, numbers_in
 from .errors import (
@@ -63,13 +64,14 @@ from .errors import (
     KeyExists,
     KeyNotCached,
     ObjectTooLarge,
+    ShmStoreError,
     StaleHandle,
     StoreFull,
     Timeout,
 )
 from .handle import Handle, key_digest
 from .policy import DEFAULT_POLICY
-from .segment import peek_header
+from .segment import Segment, peek_header
 from .store import ObjectStore, StoreReader, StoreWriter
 from .vllm_plugin import POLICY_ENV
 from .writer_host import MAX_KEYS, RemoteWriter, WriterHost
@@ -710,6 +712,22 @@ def _local_rank() -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+_REMOVE_AT_EXIT: list[str] = []
+
+
+def _remove_if_orphaned(name: str) -> None:
+    """The store `name`, if its writer is dead, is unlinked (a live writer's is left alone,
+    and so is anything of that name that is not a shmstore segment: vLLM's own)."""
+    header = peek_header(name)
+    if header is None or pid_alive(header[2]):
+        return
+    try:
+        if Segment.remove_stale(name):
+            log.info("shmstore: removed store %r, whose writer was killed", name)
+    except (ShmStoreError, OSError):
+        pass  # its writer lives (it unlinks it), or it is not a shmstore segment
+
+
 def install() -> None:
     """Route vLLM's `shm` cache type to shmstore, where vLLM's factories are bound."""
     import importlib
@@ -737,7 +755,12 @@ def install() -> None:
     # ask now, so every process started from here (several API servers, DP engines) shares it
     import vllm.envs as envs
 
-    envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME  # noqa: B018
+    name = envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME
+    if not _REMOVE_AT_EXIT:
+        # vLLM's launcher SIGKILLs its API servers at shutdown, often before the writer can
+        # unlink the store: whichever process of the server exits after it removes it
+        _REMOVE_AT_EXIT.append(name)
+        atexit.register(_remove_if_orphaned, name)
 
     def processor_cache_from_config(vllm_config: Any) -> Any:
         if factories._get_cache_type(vllm_config) == "shm":

@@ -7,7 +7,8 @@ serde body (serde.py), the bytes a Channel stores, decoded and checked by the re
 bytes from shared memory. No pickle; a message that does not parse is dropped (ProtocolError).
 
     kind       from       fields                                  frame 2
-    HELLO      relay      version, node name, epoch, held ids     -
+    HELLO      relay      version, node name, epoch, held ids,    -
+                          since (ns; rises with each connection)
     ACK        relay      through msg_no, ids evicted since       -
     NEED       relay      msg_no                                  -
     PING       both       -                                       -
@@ -37,7 +38,7 @@ from .errors import ProtocolError
 __all__ = ["PROTOCOL_VERSION", "OBJECT_ID_BYTES", "HELLO", "ACK", "NEED", "PING", "BYE",
            "WELCOME", "INLINE", "OBJECT", "REF", "LOST", "END", "GONE", "pack", "parse"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 OBJECT_ID_BYTES = 24  # key digest (16) + origin seq (8)
 MAX_IDS = 1 << 16  # ids in one HELLO or ACK (a node holds at most MAX_HELD_IDS)
 MAX_HEADER_BYTES = 4 << 20  # a HELLO listing MAX_IDS ids is under 2 MiB; anything larger is not ours
@@ -48,7 +49,7 @@ WELCOME, INLINE, OBJECT, REF, LOST, END, GONE = 10, 11, 12, 13, 14, 15, 16
 
 _INT, _STR, _ID, _IDS = "int", "str", "id", "ids"
 SCHEMAS: dict[int, tuple[tuple[str, ...], bool]] = {  # kind: (field types, has a body frame)
-    HELLO: ((_INT, _STR, _INT, _IDS), False),
+    HELLO: ((_INT, _STR, _INT, _IDS, _INT), False),
     ACK: ((_INT, _IDS), False),
     NEED: ((_INT,), False),
     PING: ((), False),

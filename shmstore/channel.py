@@ -31,7 +31,7 @@ from .broadcast import BroadcastQueue, QueueReader, QueueWriter
 from .errors import CorruptObject, SegmentClosed, ShmStoreError
 from .handle import Handle
 from .segment import validate_name
-from .serde import encode
+from .serde import Encoded, encode
 from .store import ObjectStore, StoredBody, StoreReader, StoreWriter
 from .store_writer import Reservation
 
@@ -155,21 +155,24 @@ class ChannelWriter(_Pair):
         Raises:
             StoreFull, Timeout: no space in time. NotSerializable, ObjectTooLarge.
         """
-        deadline = Deadline(timeout)
         store: StoreWriter = self._store
-        queue: QueueWriter = self._queue
         if key is not None and store.is_cached(key):
-            handle = store.get_cached(key)
+            self._publish(store.get_cached(key), Deadline(timeout))
         else:
-            enc = encode(obj)
-            if enc.nbytes <= self.inline_threshold:
-                queue.publish(enc, deadline, tag=TAG_INLINE)
-                self.sent_inline += 1
-                return
-            if key is None:
-                key = f"#channel-{next(self._anonymous)}"
-            handle = store.put_encoded(key, enc, deadline.remaining())
-        self._publish(handle, deadline)
+            self.send_encoded(encode(obj), key, timeout)
+
+    def send_encoded(self, enc: Encoded, key: str | bytes | None = None,
+                     timeout: float | None = None) -> None:
+        """send() of a value already encoded (serde.encode, or a serde.Verbatim body); `key`,
+        if given, is one not cached (else KeyExists, for a value above the inline threshold)."""
+        deadline = Deadline(timeout)
+        if enc.nbytes <= self.inline_threshold:
+            self._queue.publish(enc, deadline, tag=TAG_INLINE)
+            self.sent_inline += 1
+            return
+        if key is None:
+            key = f"#channel-{next(self._anonymous)}"
+        self._publish(self._store.put_encoded(key, enc, deadline.remaining()), deadline)
 
     @contextmanager
     def reserve(self, template: Any, key: str | bytes | None = None,

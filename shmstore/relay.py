@@ -101,14 +101,13 @@ from .channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelWriter
 from .errors import (
     CorruptObject,
     InvalidArgument,
-    NotSerializable,
     ObjectTooLarge,
     ProtocolError,
     StoreFull,
     Timeout,
 )
 from .policy import DEFAULT_POLICY
-from .serde import loads
+from .serde import Encoded, Verbatim
 
 __all__ = ["Publisher", "Relay", "CurveKeys", "PublisherStats", "NodeStats", "RelayStats",
            "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
@@ -191,6 +190,7 @@ class Relay(Peer):
         self._waiting: int | None = None  # a NEED sent for this message number
         self._backlog: deque[tuple[int, list[Any], Any]] = deque()
         self._last_heard = self._last_contact = self._last_ping = 0.0
+        self._since = 0  # the last HELLO's connection time (ns)
         self._messages = self._objects = self._refs = self._needs = self._dups = 0
         self._lost = self._reported = self._reconnects = self._bad = self._bytes = 0
 
@@ -281,7 +281,11 @@ class Relay(Peer):
         self._expect = self._waiting = None
         self._backlog.clear()
         self._last_heard = time.monotonic()
-        self._say(pack(HELLO, PROTOCOL_VERSION, self.node[:256], self._epoch, list(self._held)))
+        # since: later for every connection, of this relay or of one restarted in its place, so
+        # the Publisher keeps the newest connection of a node, whatever order HELLOs arrive in
+        self._since = max(time.time_ns(), self._since + 1)
+        self._say(pack(HELLO, PROTOCOL_VERSION, self.node[:256], self._epoch, list(self._held),
+                       self._since))
 
     def _say(self, frame: bytes) -> None:
         self._last_ping = time.monotonic()
@@ -337,7 +341,7 @@ class Relay(Peer):
             log.warning("relay %r: messages %d..%d never arrived", self.name, expect, number - 1)
         try:
             if kind == INLINE:
-                self._send_local(loads(body.buffer, copy=True), None)
+                self._send_local(Verbatim(body.buffer), None)
             elif kind == OBJECT:
                 object_id = fields[1]
                 self._objects += 1
@@ -345,7 +349,7 @@ class Relay(Peer):
                     self._dups += 1
                     self._send_local(None, object_id)
                 else:
-                    self._send_local(loads(body.buffer, copy=False), object_id)
+                    self._send_local(Verbatim(body.buffer), object_id)
             elif kind == REF:
                 object_id = fields[1]
                 if not self.channel.store.is_cached(object_id):
@@ -357,9 +361,9 @@ class Relay(Peer):
                 self._send_local(None, object_id)
             else:
                 self._lost += 1
-        except (CorruptObject, ObjectTooLarge, NotSerializable) as exc:
-            # a body that decodes but cannot be stored again (NotSerializable) is not what a
-            # Publisher sends: this node loses that message, as with a damaged one
+        except (CorruptObject, ObjectTooLarge) as exc:
+            # stored as received (Verbatim): what decode accepts is stored, never encoded again;
+            # a body decode refuses, or one too large for this node's store, is lost here
             self._lost += 1
             log.error("relay %r: message %d skipped on this node: %s", self.name, number, exc)
         self._expect = number + 1
@@ -367,8 +371,8 @@ class Relay(Peer):
         self._reported += len(self._evicted)
         self._evicted = []
 
-    def _send_local(self, value: Any, object_id: bytes | None) -> None:
-        """Hand a value (or the cached object `object_id`) to the local readers; while they are
+    def _send_local(self, enc: Encoded | None, object_id: bytes | None) -> None:
+        """Hand a body (or the cached object `object_id`) to the local readers; while they are
         slow, keep the Publisher told that this node lives. An object stored on the writer's
         node is stored here too, whatever its size: the node holds it for the next REF, and
         its readers get a handle, as there."""
@@ -378,10 +382,13 @@ class Relay(Peer):
         while True:
             try:
                 if object_id is None:
-                    channel.send(value, timeout=self.heartbeat_s)
+                    assert enc is not None
+                    channel.send_encoded(enc, timeout=self.heartbeat_s)
+                elif store.is_cached(object_id):
+                    channel.publish(store.get_cached(object_id), timeout=self.heartbeat_s)
                 else:
-                    handle = (store.get_cached(object_id) if store.is_cached(object_id)
-                              else store.put(object_id, value, timeout=self.heartbeat_s))
+                    assert enc is not None  # a REF or duplicate is answered only when cached
+                    handle = store.put_encoded(object_id, enc, timeout=self.heartbeat_s)
                     channel.publish(handle, timeout=self.heartbeat_s)
                 break
             except (Timeout, StoreFull):

@@ -67,8 +67,8 @@ from ._serde_types import (
 from .errors import NotSerializable
 from .handle import Handle
 
-__all__ = ["Blank", "Encoded", "encode", "decode", "dumps", "loads", "materialize", "blank_key",
-           "BODY_HEADER",
+__all__ = ["Blank", "Encoded", "Verbatim", "encode", "decode", "dumps", "loads", "materialize",
+           "blank_key", "BODY_HEADER",
            "BUFFER_ENTRY", "BODY_MAGIC", "BUFFER_ALIGN_BYTES", "MAX_DEPTH", "EXT_NDARRAY",
            "EXT_TENSOR", "EXT_TUPLE", "EXT_SCALAR", "EXT_HANDLE"]
 
@@ -308,6 +308,31 @@ class Encoded:
                 torch = import_torch()
                 view = torch.frombuffer(dst, dtype=src.dtype, count=src.numel(), offset=offset)
                 view.view(src.shape).copy_(src)
+
+
+class Verbatim(Encoded):
+    """A body already serialized (received from a relay, or read with StoreReader.body), to be
+    written as it is: checked once by decode, never decoded and encoded again, so whatever
+    decode accepts can be stored (even what encode would refuse to make, such as nesting
+    deeper than MAX_DEPTH). Holds `body` until written.
+
+    Raises:
+        CorruptObject: `body` is not one decode accepts.
+    """
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: memoryview) -> None:
+        decode(body, copy=False)  # every count, offset, dtype and shape checked; nothing copied
+        _, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
+        struct_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers + struct_bytes
+        super().__init__(bytes(body[:struct_end]), [], len(body))
+        self._body = body
+
+    def write_into(self, dst: memoryview) -> None:
+        if len(dst) < self.nbytes:
+            raise ValueError(f"destination holds {len(dst)} bytes, the object needs {self.nbytes}")
+        dst[:self.nbytes] = self._body
 
 
 def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:

@@ -242,7 +242,7 @@ def test_parse_accepts_each_kind_and_rejects_bad_fields() -> None:
     oid = b"x" * 24
     assert parse([pack(REF, 3, oid)]) == (REF, [3, oid], None)
     assert parse([pack(OBJECT, 3, oid), b"body"])[2] == b"body"
-    assert parse([pack(HELLO, PROTOCOL_VERSION, "n", 0, [oid])])[0] == HELLO
+    assert parse([pack(HELLO, PROTOCOL_VERSION, "n", 0, [oid], 1)])[0] == HELLO
     with pytest.raises(ProtocolError, match="not a valid id"):
         parse([pack(REF, 3, b"short")])
     with pytest.raises(ProtocolError, match="field 0"):
@@ -284,7 +284,7 @@ def test_garbage_from_a_peer_is_dropped_and_counted(net: Net) -> None:
         sock.connect(net.publisher.endpoint)
         sock.send_multipart([b"\x93garbage", b"x"])
         sock.send(pack(ACK, 10**12, []))  # an unknown peer's ACK: ignored
-        sock.send(pack(HELLO, PROTOCOL_VERSION + 1, "old", 0, []))  # another version: ignored
+        sock.send(pack(HELLO, PROTOCOL_VERSION + 1, "old", 0, [], 1))  # another version: ignored
         deadline = time.monotonic() + 5
         while net.publisher.stats().bad_messages < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -469,11 +469,12 @@ def test_small_stored_objects_are_held_on_a_node_with_a_larger_inline_threshold(
 class Rogue:
     """A peer speaking the relay protocol by hand: HELLO, then whatever the test wants."""
 
-    def __init__(self, endpoint: str, name: str = "rogue") -> None:
+    def __init__(self, endpoint: str, name: str = "rogue", since: int | None = None) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        self.sock.send(pack(HELLO, PROTOCOL_VERSION, name, 0, []))
+        self.sock.send(pack(HELLO, PROTOCOL_VERSION, name, 0, [],
+                            time.time_ns() if since is None else since))
 
     def drain(self, timeout_s: float = 0.05) -> list[tuple[int, list[object]]]:
         got = []
@@ -526,13 +527,28 @@ def test_a_node_that_pings_but_never_acknowledges_is_dropped_and_holds_nothing()
         net.close()
 
 
-def test_a_node_connecting_twice_counts_once() -> None:
-    net = Net(0)
-    rogues = [Rogue(net.publisher.endpoint, "same-name") for _ in range(3)]
+def test_a_node_connecting_again_replaces_its_older_connection() -> None:
+    """A relay restarted (or reconnected) within the peer timeout: its newer connection
+    replaces the older one at once, whatever order their HELLOs arrive in, so the node counts
+    once and the dead connection's unacknowledged window holds nothing."""
+    net = Net(0, window=4, ack_timeout_s=30.0, peer_timeout_s=30.0)
+    old = Rogue(net.publisher.endpoint, "same-name", since=100)
+    rogues = [old]
     try:
-        assert wait_until(lambda: len(net.publisher.stats().nodes) == 3)
-        # three connections of one node: it counts once (what a vLLM head waits for)
-        assert net.publisher.nodes_connected == 1 and net.publisher.stats().nodes_joined == 1
+        assert wait_until(lambda: net.publisher.nodes_connected == 1)
+        send_keys(net.writer, list(range(8)), nbytes=100_000)  # two windows: old acks nothing
+        assert wait_until(lambda: len(old.drain(0.1)) > 1)  # it got the first window
+        assert net.publisher.stats().messages == 4  # and holds the writer's reads
+        new = Rogue(net.publisher.endpoint, "same-name", since=300)
+        late = Rogue(net.publisher.endpoint, "same-name", since=200)  # an older connection
+        rogues += [new, late]
+        assert wait_until(lambda: net.publisher.stats().messages == 8)  # old holds nothing now
+        stats = net.publisher.stats()
+        assert len(stats.nodes) == 1 and net.publisher.nodes_connected == 1
+        assert stats.nodes_joined == 1 and stats.nodes_dropped == 0
+        got = new.drain(0.5)
+        assert got[0][0] == WELCOME and any(k in (OBJECT, INLINE) for k, _ in got[1:])
+        assert not late.drain(0.2)  # its HELLO was ignored: no WELCOME
     finally:
         for r in rogues:
             r.close()
@@ -556,8 +572,12 @@ def test_one_curve_key_on_two_relays_counts_as_one_node(tmp_path) -> None:
         try:
             for relay in relays:
                 relay.start()
-            assert wait_until(lambda: len(publisher.stats().nodes) == 2)
-            assert publisher.nodes_connected == 1 and publisher.stats().nodes_joined == 1
+            # each connection of the key replaces the one before: one node, counted once
+            assert wait_until(lambda: all(r.stats().connected for r in relays), 5)
+            for _ in range(20):
+                assert len(publisher.stats().nodes) <= 1 and publisher.nodes_connected <= 1
+                time.sleep(0.05)
+            assert publisher.stats().nodes_joined == 1
         finally:
             for relay in relays:
                 relay.close()
@@ -608,16 +628,28 @@ def test_an_oversized_message_disconnects_only_its_sender() -> None:
         net.close()
 
 
-def _undecodable_again(depth: int = 200) -> bytes:
-    """A body that decodes (msgpack allows ~1000 levels) but that encode refuses (100)."""
+def _deep(depth: int) -> bytes:
+    """A body nested `depth` levels: decode takes up to msgpack's ~1000, encode makes 100."""
     structure = b"\x91" * depth + b"\xc0"  # [[[...[None]...]]]
     return BODY_HEADER.pack(BODY_MAGIC, 0, len(structure)) + structure
 
 
-def test_a_body_that_cannot_be_stored_again_is_lost_on_that_node_and_the_relay_lives() -> None:
+def test_a_body_decode_accepts_is_stored_as_received_and_one_it_refuses_is_lost() -> None:
+    """The relay stores a checked body as it came (never decoded and encoded again), so what a
+    reader can decode reaches it, even nesting encode would refuse to make; a body decode
+    refuses is lost on that node, and the relay lives."""
+    deep: Any = None
+    for _ in range(200):
+        deep = [deep]
     with fake_publisher("deep") as (fake, rid, relay, reader):
-        fake.send_multipart([rid, pack(OBJECT, 1, b"d" * 24), _undecodable_again()])
-        fake.send_multipart([rid, pack(INLINE, 2), _undecodable_again()])
-        fake.send_multipart([rid, pack(INLINE, 3), dumps("fine")])
+        fake.send_multipart([rid, pack(OBJECT, 1, b"d" * 24), _deep(200)])
+        fake.send_multipart([rid, pack(INLINE, 2), _deep(200)])
+        fake.send_multipart([rid, pack(INLINE, 3), _deep(5000)])  # beyond msgpack's stack
+        fake.send_multipart([rid, pack(OBJECT, 4, b"e" * 24), _deep(5000)])
+        fake.send_multipart([rid, pack(INLINE, 5), dumps("fine")])
+        assert reader.recv(timeout=10) == deep  # by handle, from the node's store
+        assert reader.recv(timeout=10) == deep  # inline
         assert reader.recv(timeout=10) == "fine"
         assert relay.stats().lost == 2 and relay.serving
+        assert relay.channel.store.is_cached(b"d" * 24)
+        assert not relay.channel.store.is_cached(b"e" * 24)

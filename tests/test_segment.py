@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import posix_ipc
@@ -218,6 +220,21 @@ def test_pid_alive() -> None:
     assert pid_alive(os.getpid())
     assert not pid_alive(0)
     assert not pid_alive(-5)
+
+
+def test_a_killed_process_not_yet_reaped_is_dead() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        end = time.monotonic() + 10
+        while pid_alive(child.pid) and time.monotonic() < end:  # a zombie until waited for
+            time.sleep(0.01)
+        assert not pid_alive(child.pid)
+        assert os.path.exists(f"/proc/{child.pid}")  # still there, unreaped
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_prefault_off_still_works(name: str) -> None:

@@ -19,6 +19,7 @@ from shmstore.serde import (
     BUFFER_ENTRY,
     EXT_NDARRAY,
     EXT_TENSOR,
+    Verbatim,
 )
 from tests._names import CorruptObject, Handle, NotSerializable, decode, dumps, encode, loads
 
@@ -261,3 +262,26 @@ json_like = st.recursive(
 @given(json_like)
 def test_plain_structures_roundtrip(obj: object) -> None:
     roundtrip(obj)
+
+
+def test_verbatim_writes_a_checked_body_byte_for_byte_and_refuses_a_damaged_one() -> None:
+    value = {"pixel_values": np.arange(1000, dtype=np.float32).reshape(10, 100),
+             "t": torch.ones(3, dtype=torch.bfloat16), "meta": (1, "x")}
+    body = dumps(value)
+    verbatim = Verbatim(memoryview(body))
+    assert verbatim.nbytes == len(body)
+    assert verbatim.structure_crc == encode(value).structure_crc  # the store's header CRC
+    out = bytearray(len(body) + 8)
+    verbatim.write_into(memoryview(out))
+    assert bytes(out[:len(body)]) == body
+    got = loads(bytes(out[:len(body)]))
+    np.testing.assert_array_equal(got["pixel_values"], value["pixel_values"])
+    assert got["meta"] == (1, "x") and torch.equal(got["t"], value["t"])
+    with pytest.raises(ValueError, match="destination"):
+        verbatim.write_into(memoryview(bytearray(len(body) - 1)))
+    damaged = bytearray(body)
+    struct.pack_into("<Q", damaged, BODY_HEADER.size, 1 << 40)  # buffer 0's offset
+    with pytest.raises(CorruptObject):
+        Verbatim(memoryview(damaged))
+    with pytest.raises(CorruptObject):
+        Verbatim(memoryview(body[:10]))

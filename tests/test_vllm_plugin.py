@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import posix_ipc
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -38,6 +39,7 @@ from shmstore._vllm_cache import (  # noqa: E402
     HANDLE_FIELD,
     ShmstoreReceiverCache,
     ShmstoreSenderCache,
+    _remove_if_orphaned,
     handle_from_item,
 )
 from shmstore._vllm_nodes import (  # noqa: E402
@@ -632,3 +634,36 @@ def test_a_node_feed_skips_what_it_cannot_use_and_follows_a_relay_that_died(name
             relay.kill()
         relay.join()
     assert not [p for p in Path("/dev/shm").iterdir() if name in p.name]
+
+
+def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(name: str) -> None:
+    """vLLM's launcher SIGKILLs its API servers at shutdown: whichever process of the server
+    exits after the writer removes its store. A live writer's store, and a segment of that name
+    that is not shmstore's (vLLM's own), are left alone."""
+    path = os.path.join("/dev/shm", name)
+    made = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from shmstore import ObjectStore; "
+        f"s = ObjectStore.create({name!r}, 1 << 20, 1); print('made', flush=True); "
+        "time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert made.stdout is not None and made.stdout.readline().strip() == "made"
+        _remove_if_orphaned(name)
+        assert os.path.exists(path)  # its writer lives
+        made.kill()
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # killed, not reaped: a zombie holds nothing
+            _remove_if_orphaned(name)
+            if not os.path.exists(path):
+                break
+            time.sleep(0.02)
+        assert not os.path.exists(path)
+    finally:
+        made.kill()
+        made.wait()
+    foreign = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+    try:
+        _remove_if_orphaned(name)
+        assert os.path.exists(path)  # not a shmstore segment: not ours to remove
+    finally:
+        foreign.close_fd()
+        foreign.unlink()
