@@ -6,11 +6,13 @@
 A writer channel and its Publisher run in this process (plain TCP on 127.0.0.1). Another
 process opens --nodes rogue connections. Each says HELLO listing 65,536 held ids (the most a
 HELLO may carry), never acknowledges, never reads, floods NEEDs for every message number and
-PINGs to stay alive; every second each one connects again with a fresh HELLO. The writer sends
+PINGs to stay alive (it reads only its WELCOME, to learn which message numbers to ask
+for); every second each one connects again with a fresh HELLO. The writer sends
 --mib MiB objects, each under a new key, as fast as the Publisher lets it. Reported: the
-growth of this process's anonymous memory (RssAnon in /proc/self/status: what the Publisher
-and ZeroMQ allocate; the store is shared memory and is counted apart), its peak, and the bound
-the README states: nodes x (2 x window + 64) messages of one object each.
+peak growth of this process's anonymous memory (RssAnon in /proc/self/status: what the
+Publisher and ZeroMQ allocate; the store is shared memory and is counted apart), beside the
+window's worth of body copies the Publisher keeps (one per unacknowledged message, shared by
+every node's queue) and what the queues could hold if no copy were shared.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import zmq
 
 from shmstore import Channel
-from shmstore._wire import HELLO, NEED, PING, PROTOCOL_VERSION, pack
+from shmstore._wire import HELLO, NEED, PING, PROTOCOL_VERSION, WELCOME, pack, parse
 from shmstore.errors import StoreFull, Timeout
 from shmstore.relay import Publisher
 
@@ -46,12 +48,15 @@ def rss_anon() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
-def rogues(endpoint: str, nodes: int, seconds: float, ready: mp.synchronize.Event) -> None:
+def rogues(endpoint: str, nodes: int, window: int, seconds: float,
+            ready: mp.synchronize.Event) -> None:
     """Hostile nodes: huge HELLOs, no ACK, no reads, NEED floods, reconnects every second."""
     ctx = zmq.Context()
     held = [secrets.token_bytes(24) for _ in range(HELD_IDS)]
 
-    def connect(i: int) -> zmq.Socket:
+    def connect(i: int) -> tuple[zmq.Socket, int]:
+        """A new connection: HELLO, read the WELCOME (its first message number), then never
+        read again."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 1)
@@ -59,29 +64,32 @@ def rogues(endpoint: str, nodes: int, seconds: float, ready: mp.synchronize.Even
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.connect(endpoint)
         sock.send(pack(HELLO, PROTOCOL_VERSION, f"rogue-{i}", 0, held, time.time_ns()))
-        return sock
+        first = 1
+        if sock.poll(2000):
+            kind, fields, _ = parse(sock.recv_multipart())
+            if kind == WELCOME:
+                first = fields[4]
+        return sock, first
 
     socks = [connect(i) for i in range(nodes)]
     ready.set()
     end = time.monotonic() + seconds
     reconnect = time.monotonic() + 1.0
-    number = 1
     while time.monotonic() < end:
-        for sock in socks:
-            try:
-                for k in range(64):
-                    sock.send(pack(NEED, number + k), zmq.NOBLOCK)
+        for sock, first in socks:
+            try:  # a NEED for each message it may wait for, again and again
+                for number in range(first, first + window):
+                    sock.send(pack(NEED, number), zmq.NOBLOCK)
                 sock.send(pack(PING), zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        number = number + 64 if number < 100_000 else 1
         if time.monotonic() > reconnect:
-            for i, sock in enumerate(socks):
+            for i, (sock, _) in enumerate(socks):
                 sock.close()
                 socks[i] = connect(i)
             reconnect = time.monotonic() + 1.0
         time.sleep(0.001)
-    for sock in socks:
+    for sock, _ in socks:
         sock.close()
     ctx.term()
 
@@ -118,7 +126,7 @@ def main() -> None:
         sampler.start()
         ready = mp.get_context("spawn").Event()
         flood = mp.get_context("spawn").Process(
-            target=rogues, args=(publisher.endpoint, args.nodes, args.seconds, ready))
+            target=rogues, args=(publisher.endpoint, args.nodes, args.window, args.seconds, ready))
         flood.start()
         ready.wait(60)
         sent, end = 0, time.monotonic() + args.seconds
@@ -134,19 +142,20 @@ def main() -> None:
         stats = publisher.stats()
         publisher.close()
         writer.end()
-    bound = args.nodes * (2 * args.window + 64) * nbytes
+    copies = args.window * nbytes  # the body copies the Publisher keeps, shared by every queue
+    queues = args.nodes * (2 * args.window + 64) * nbytes  # every node's queue full of distinct copies
     result = {"nodes": args.nodes, "window": args.window, "object_bytes": nbytes,
               "messages_sent": sent, "publisher_messages": stats.messages,
               "nodes_dropped": stats.nodes_dropped, "needs_served": stats.needs_served,
               "bad_messages": stats.bad_messages, "growth_bytes": peak[0] - base,
-              "bound_bytes": bound}
+              "window_copies_bytes": copies, "unshared_queues_bytes": queues}
     print(f"{args.nodes} rogue nodes, window {args.window}, {nbytes / MIB:.1f} MiB objects, "
           f"{args.seconds:.0f} s: {sent} objects sent, {stats.messages} read by the Publisher, "
-          f"{stats.needs_served} NEEDs answered, {stats.bad_messages} messages refused, "
+          f"{stats.needs_served} NEEDs answered, {stats.bad_messages} messages not answered, "
           f"{stats.nodes_dropped} nodes dropped")
-    print(f"anonymous memory: peak growth {(peak[0] - base) / MIB:.1f} MiB; bound nodes x "
-          f"(2 x window + 64) x object = {bound / MIB:.0f} MiB "
-          f"({(peak[0] - base) / bound:.2f} of it)")
+    print(f"anonymous memory: peak growth {(peak[0] - base) / MIB:.1f} MiB; window x object "
+          f"{copies / MIB:.0f} MiB; if no copy were shared, nodes x (2 x window + 64) x object "
+          f"{queues / MIB:.0f} MiB")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

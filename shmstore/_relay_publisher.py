@@ -180,6 +180,9 @@ class Publisher(Peer):
             raise
         self._nodes: dict[bytes, _Node] = {}
         self._pending: deque[tuple[int, int, Handle]] = deque()  # (msg_no, handout, handle)
+        # the one copy of each pending message's body that every node's queue shares (the
+        # forward and every NEED answer): at most a window of them, dropped once all have it
+        self._frames: dict[int, zmq.Frame] = {}
         self._msg_no = 0
         self._last_ping = 0.0
         self._joined = self._dropped = self._needs = self._lost = self._bad = self._refused = 0
@@ -275,7 +278,7 @@ class Publisher(Peer):
                 self._send(node, [pack(REF, number, object_id)])
                 continue
             if frame is None:  # one copy for every node, taken while the chunk is pinned
-                frame = zmq.Frame(raw.stored.data, copy=True)
+                frame = self._frames[number] = zmq.Frame(raw.stored.data, copy=True)
             node.hold(object_id)
             node.objects_sent += 1
             self._send(node, [pack(OBJECT, number, object_id), frame])
@@ -393,7 +396,9 @@ class Publisher(Peer):
         if handle is not None:
             try:
                 with self._reader.body(handle) as stored:
-                    frame = zmq.Frame(stored.data, copy=True)
+                    frame = self._frames.get(number)
+                    if frame is None:  # every node held it when it was forwarded
+                        frame = self._frames[number] = zmq.Frame(stored.data, copy=True)
                     object_id = stored.object_id
             except (StaleHandle, CorruptObject) as exc:
                 log.warning("publisher %s: message %d for node %r is gone: %s", self.endpoint,
@@ -432,6 +437,7 @@ class Publisher(Peer):
         last = 0
         pending = self._pending
         while pending and pending[0][0] <= floor:
-            last = pending.popleft()[1]
+            number, last, _ = pending.popleft()
+            self._frames.pop(number, None)
         if last and self._reader is not None:
             self._reader.release_through(last)

@@ -80,6 +80,15 @@ def test_bench_relay_runs(tmp_path: Path) -> None:
     assert relay["mb_per_item"] < pubsub["mb_per_item"]  # bytes, not speed: hits cross as REFs
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_relay_flood_runs(tmp_path: Path) -> None:
+    data = run_script("bench_relay_flood.py", "--nodes", "2", "--window", "4", "--mib", "0.25",
+                      "--seconds", "2", tmp_path=tmp_path)
+    assert data["messages_sent"] > 0 and data["nodes"] == 2
+    assert data["needs_served"] > 0  # the rogues' NEEDs reached the Publisher
+
+
 def run_printing_script(script: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True,
                           text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -588,6 +588,7 @@ def test_one_curve_key_on_two_relays_counts_as_one_node(tmp_path) -> None:
 def test_a_need_is_answered_once_while_unacknowledged() -> None:
     net = Net(0, writer_inline=1024)
     rogue = Rogue(net.publisher.endpoint)
+    rogues = [rogue]
     try:
         assert wait_until(lambda: net.publisher.nodes_connected == 1)
         send_keys(net.writer, [1], nbytes=200_000)
@@ -598,9 +599,17 @@ def test_a_need_is_answered_once_while_unacknowledged() -> None:
             rogue.sock.send(pack(NEED, number))
         assert wait_until(lambda: net.publisher.stats().bad_messages >= 499)
         stats = net.publisher.stats()
-        assert stats.needs_served == 1 and stats.nodes[0].objects_sent == 2  # one copy more
+        assert stats.needs_served == 1 and stats.nodes[0].objects_sent == 2  # sent once more
+        # ... from the one copy the forward made, shared, not a second one; kept only while
+        # the message is unacknowledged
+        assert list(net.publisher._frames) == [number]
+        rogues.append(Rogue(net.publisher.endpoint, "second"))
+        assert wait_until(lambda: net.publisher.nodes_connected == 2)
+        rogue.sock.send(pack(ACK, number, []))
+        assert wait_until(lambda: not net.publisher._frames)  # every node has it: dropped
     finally:
-        rogue.close()
+        for r in rogues:
+            r.close()
         net.close()
 
 
