@@ -2,7 +2,8 @@
 vLLM's own caches against shmstore's.
 
     OMP_NUM_THREADS=1 python bench/bench_serve.py [--quick] [--image-size 336] [--repeats 1]
-                                                  [--mixes 0%,100%,zipf] [--json PATH]
+                                                  [--mixes 0%,100%,zipf,fill] [--n 24]
+                                                  [--cache-gb 1] [--json PATH]
 
 Configurations (each a fresh server, run one after another, in rounds when --repeats > 1):
 
@@ -16,7 +17,9 @@ Configurations (each a fresh server, run one after another, in rounds when --rep
     one-shmstore    one API server, TP 2, shmstore
 
 Workload cells: image hit mixes 0% (every image new), 100% (a few images, sent once before the
-cell) and zipf (s = 1.1 over a pool: about 60% repeats), at concurrency 1 and 4; streaming chat
+cell) and zipf (s = 1.1 over a pool: about 60% repeats), at concurrency 1 and 4; with --mixes
+...,fill, last, new images at concurrency 4 until the cache of each of two API servers is full
+(so the memory read after it is that of full caches); streaming chat
 completions, 8 tokens each. Reported per cell: TTFT p50 and p99 (first streamed token), requests
 per second; per server, after the cells: its memory, the PSS of every process of the server
 (shared pages split among their users; /proc/PID/smaps_rollup) less their shared-memory pages,
@@ -34,6 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -67,6 +71,7 @@ PAIRS = [("api2-shmstore", "api2-fallback"), ("dp2-shmstore", "dp2-fallback"),
 MIXES = ("0%", "100%", "zipf")
 CONCURRENCY = (1, 4)
 HOT = 4  # images of the 100% mix
+API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's cache)
 POOL = 64  # images the zipf mix draws from
 
 
@@ -160,14 +165,14 @@ def shm_bytes() -> int:
 
 
 def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
-               mixes: list[str]) -> dict[str, Any]:
+               mixes: list[str], cache_gb: str = "1") -> dict[str, Any]:
     arguments, cache_type, shmstore = CONFIGS[name]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0"}
     shm_before = shm_bytes()
     max_len = max(1024, 2 * (image_size // 14) ** 2)  # two prompts' worth of image tokens
     server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
                     "--max-num-seqs", "4", "--max-model-len", str(max_len),
-                    cache_type=cache_type, cache_gb="1", env=env)
+                    cache_type=cache_type, cache_gb=cache_gb, env=env)
     try:
         for seed in range(10_000, 10_000 + HOT):  # the 100% mix's images, once
             ttft(server, seed)
@@ -175,6 +180,11 @@ def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
         fresh = list(range(30_000, 30_000 + 2 * n * len(CONCURRENCY)))
         cells = {}
         for mix in mixes:
+            if mix == "fill":  # new images until every API server's cache is full
+                item_bytes = 3 * image_size**2 * 2  # bf16 pixel_values
+                count = math.ceil(1.1 * API_SERVERS * float(cache_gb) * 2**30 / item_bytes)
+                cells["fill c4"] = run_cell(server, list(range(50_000, 50_000 + count)), 4)
+                continue
             for concurrency in CONCURRENCY:
                 cells[f"{mix} c{concurrency}"] = run_cell(
                     server, seeds_for(mix, n, rng, fresh), concurrency)
@@ -187,13 +197,15 @@ def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 requests per cell")
+    parser.add_argument("--n", type=int, default=24, help="requests per cell")
+    parser.add_argument("--cache-gb", default="1", help="--mm-processor-cache-gb of each server")
     parser.add_argument("--image-size", type=int, default=336)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--mixes", default=",".join(MIXES), help="hit mixes to run")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    n = 6 if args.quick else 24
+    n = 6 if args.quick else args.n
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,7 +213,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 runs[name].append(run_config(name, model, n, Path(tmp), args.image_size,
-                                             args.mixes.split(",")))
+                                             args.mixes.split(","), args.cache_gb))
                 print(f"{name}: done", file=sys.stderr, flush=True)
     result = summarize(runs)
     result["image_size"] = args.image_size
