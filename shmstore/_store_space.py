@@ -51,6 +51,7 @@ class StoreSpace(StoreBase):
     _index: dict[str | bytes, Entry]
     _by_seq: dict[int, Entry]
     _budget: int
+    _wanted: int  # payload bytes the put that is making room needs
     _evictions: int
     _full_events: int
     _reinsertions: int
@@ -105,6 +106,7 @@ class StoreSpace(StoreBase):
     def _make_room(self, payload_bytes: int, deadline: Deadline) -> Chunk:
         ring = self._writer_ring
         self._budget = self._policy.copy_budget(ring.chunk_bytes_for(payload_bytes))
+        self._wanted = payload_bytes
         counted = force = False
         while True:
             blockers: tuple[int, ...] = ()
@@ -135,6 +137,8 @@ class StoreSpace(StoreBase):
         if oldest is None:
             return True
         entry = oldest.owner
+        if entry is not None and entry.reserved:
+            return False  # being filled in a reserve() block
         if (entry is not None and entry.live and any(self._owed(entry, force=False))
                 and not self._over(entry)):
             return False
@@ -215,7 +219,9 @@ class StoreSpace(StoreBase):
         ring.pop_oldest(old)
         if self._by_seq.get(old.seq) is entry:
             del self._by_seq[old.seq]
-        if not ring.fits(len(saved)):
+        if not ring.fits(len(saved)) or (ring.fits(self._wanted) and not self._oldest_free()):
+            # no room for the copy; or the put fits in the space it leaves while the next
+            # object is still owed: copied forward, it would take that space and the put fail
             self._evict(entry)
             return ()
         new = ring.allocate(len(saved))

@@ -107,7 +107,7 @@ class StoreWriter(StoreSpace):
         self._index: dict[str | bytes, Entry] = {}
         self._by_seq: dict[int, Entry] = {}
         self._handout_seq = 0
-        self._budget = 0
+        self._budget = self._wanted = 0
         self._puts = self._hits = self._evictions = self._give_backs = self._full_events = 0
         self._reinsertions = self._bytes_reinserted = self._damaged = self._withdrawn = 0
 

@@ -89,6 +89,15 @@ def test_bench_relay_flood_runs(tmp_path: Path) -> None:
     assert data["needs_served"] > 0  # the rogues' NEEDs reached the Publisher
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
+def test_bench_byvalue_runs(tmp_path: Path) -> None:
+    data = run_script("bench_byvalue.py", "--sizes", "112", "--n", "5", tmp_path=tmp_path)
+    (row,) = data["rows"]
+    assert row["image_px"] == 112 and row["by_value_ms"] > 0 and row["by_handle_ms"] > 0
+
+
 def run_printing_script(script: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True,
                           text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -488,3 +488,34 @@ def test_a_second_thread_inside_the_writer_is_refused_loudly(store) -> None:
     t.join(10)
     assert not errors and w.is_cached("waits") and w.is_cached("a") is False
     read_all(readers, w.get_cached("k2"))  # the writer is whole and usable from this thread
+
+
+@pytest.mark.parametrize("policy", ["fifo", "reinsert", "freq"])
+def test_an_object_is_not_copied_forward_into_the_room_a_blocked_put_needs(
+        name: str, policy: str) -> None:
+    """The oldest object was hit (a policy that keeps hit objects would copy it forward), but
+    the next one is still owed: copying it would take the only room the put can get, and the
+    put would fail anyway. Every policy stores the put, as FIFO does, dropping the oldest."""
+    size = 100_000
+    with ObjectStore.create(name, capacity_bytes=2 * size + size // 2, n_readers=1,
+                            policy=policy) as writer, ObjectStore.attach(name, reader=0) as reader:
+        a = writer.put("a", np.full(size - 1024, 1, dtype=np.uint8))
+        reader.get(a)
+        reader.get(writer.get_cached("a"))  # hit and read: a copy-forward candidate
+        writer.put("b", np.full(size - 1024, 2, dtype=np.uint8))  # handed out, not read
+        c = writer.put("c", np.full(size - 1024, 3, dtype=np.uint8))  # no StoreFull
+        assert not writer.is_cached("a") and writer.is_cached("b")
+        assert reader.get(c)[0] == 3 and writer.stats().reinsertions == 0
+
+
+def test_an_object_is_still_copied_forward_when_the_next_is_free(name: str) -> None:
+    size = 100_000
+    with ObjectStore.create(name, capacity_bytes=2 * size + size // 2, n_readers=1,
+                            policy="freq") as writer, ObjectStore.attach(name, reader=0) as reader:
+        a = writer.put("a", np.full(size - 1024, 1, dtype=np.uint8))
+        reader.get(a)
+        reader.get(writer.get_cached("a"))
+        reader.get(writer.put("b", np.full(size - 1024, 2, dtype=np.uint8)))  # read: free
+        reader.get(writer.put("c", np.full(size - 1024, 3, dtype=np.uint8)))
+        assert writer.is_cached("a") and not writer.is_cached("b")  # a kept, b dropped
+        assert writer.stats().reinsertions == 1
