@@ -21,7 +21,10 @@ cell) and zipf (s = 1.1 over a pool: about 60% repeats), at concurrency 1 and 4;
 ...,fill, last, new images at concurrency 4 until the cache of each of two API servers is full
 (so the memory read after it is that of full caches); streaming chat
 completions, 8 tokens each. Reported per cell: TTFT p50 and p99 (first streamed token), requests
-per second; per server, after the cells: its memory, the PSS of every process of the server
+per second, megabytes the server's processes serialized for each other per request
+(bench/ipc_bytes: vLLM's MsgpackEncoder in every process, so every request and output between
+API servers and engines, items by value included; not the engine core's broadcast to its
+tensor-parallel workers); per server, after the cells: its memory, the PSS of every process of the server
 (shared pages split among their users; /proc/PID/smaps_rollup) less their shared-memory pages,
 plus every byte the server holds in /dev/shm (shmstore's store is reserved whole at start, so
 no write can ever SIGBUS; vLLM's segments grow as they are written).
@@ -106,8 +109,22 @@ def seeds_for(mix: str, n: int, rng: random.Random, fresh: list[int]) -> list[in
     return [20_000 + rng.choices(range(POOL), weights)[0] for _ in range(n)]
 
 
-def run_cell(server: Server, seeds: list[int], concurrency: int) -> dict[str, float]:
+def ipc_bytes(directory: Path) -> int:
+    """Bytes the server's processes have serialized for each other so far (ipc_bytes/)."""
+    total = 0
+    for path in directory.iterdir():
+        try:
+            total += int(path.read_text() or 0)
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def run_cell(server: Server, seeds: list[int], concurrency: int,
+             counts: Path) -> dict[str, float]:
     times: list[float] = []
+    time.sleep(0.5)  # the counts of what came before are written
+    serialized = ipc_bytes(counts)
     lock = threading.Lock()
     queue = list(seeds)
 
@@ -128,10 +145,13 @@ def run_cell(server: Server, seeds: list[int], concurrency: int) -> dict[str, fl
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    time.sleep(0.5)
+    serialized = ipc_bytes(counts) - serialized
     times.sort()
     return {"ttft_p50_ms": 1e3 * statistics.median(times),
             "ttft_p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
-            "requests_per_s": len(times) / wall, "n": len(times)}
+            "requests_per_s": len(times) / wall, "n": len(times),
+            "ipc_mb_per_request": serialized / len(times) / 1e6}
 
 
 def pss_bytes(pgid: int) -> int:
@@ -167,7 +187,13 @@ def shm_bytes() -> int:
 def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
                mixes: list[str], cache_gb: str = "1") -> dict[str, Any]:
     arguments, cache_type, shmstore = CONFIGS[name]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0"}
+    counts = log_dir / f"{name}-ipc"
+    counts.mkdir(exist_ok=True)
+    for old in counts.iterdir():
+        old.unlink()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0",
+           "PYTHONPATH": f"{ROOT / 'bench' / 'ipc_bytes'}:{ROOT}",
+           "SHMSTORE_BENCH_BYTES_DIR": str(counts)}
     shm_before = shm_bytes()
     max_len = max(1024, 2 * (image_size // 14) ** 2)  # two prompts' worth of image tokens
     server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
@@ -183,11 +209,12 @@ def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
             if mix == "fill":  # new images until every API server's cache is full
                 item_bytes = 3 * image_size**2 * 2  # bf16 pixel_values
                 count = math.ceil(1.1 * API_SERVERS * float(cache_gb) * 2**30 / item_bytes)
-                cells["fill c4"] = run_cell(server, list(range(50_000, 50_000 + count)), 4)
+                cells["fill c4"] = run_cell(server, list(range(50_000, 50_000 + count)), 4,
+                                            counts)
                 continue
             for concurrency in CONCURRENCY:
                 cells[f"{mix} c{concurrency}"] = run_cell(
-                    server, seeds_for(mix, n, rng, fresh), concurrency)
+                    server, seeds_for(mix, n, rng, fresh), concurrency, counts)
         return {"cells": cells, "pss_bytes": pss_bytes(server.proc.pid),
                 "shm_bytes": shm_bytes() - shm_before}
     finally:
@@ -245,8 +272,9 @@ def report(result: dict[str, Any]) -> None:
               f"/dev/shm {data['shm_mb']:.1f})")
         for cell, v in data["cells"].items():
             print(f"  {cell:10s} {v['ttft_p50_ms']:7.1f} {v['ttft_p99_ms']:7.1f} "
-                  f"{v['requests_per_s']:6.2f}/s")
-    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s; memory")
+                  f"{v['requests_per_s']:6.2f}/s {v['ipc_mb_per_request']:7.3f} MB serialized")
+    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, MB "
+          "serialized between the server's processes per request; memory")
     for mine, theirs in PAIRS:
         if mine not in configs or theirs not in configs:
             continue
@@ -256,7 +284,8 @@ def report(result: dict[str, Any]) -> None:
             x, y = a["cells"][cell], b["cells"][cell]
             print(f"  {cell:10s} {x['ttft_p50_ms'] / y['ttft_p50_ms']:5.2f} "
                   f"{x['ttft_p99_ms'] / y['ttft_p99_ms']:5.2f} "
-                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f}")
+                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f} "
+                  f"{x['ipc_mb_per_request'] / max(y['ipc_mb_per_request'], 1e-9):7.4f}")
 
 
 if __name__ == "__main__":

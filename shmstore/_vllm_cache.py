@@ -33,6 +33,7 @@ import atexit
 import contextvars
 import logging
 import os
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -713,13 +714,29 @@ def _local_rank() -> int:
 
 
 _REMOVE_AT_EXIT: list[str] = []
+EXIT_WAIT_S = 2.0  # how long a parent waits at exit for the writer it killed to be gone
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _remove_if_orphaned(name: str) -> None:
     """The store `name`, if its writer is dead, is unlinked (a live writer's is left alone,
     and so is anything of that name that is not a shmstore segment: vLLM's own)."""
     header = peek_header(name)
-    if header is None or pid_alive(header[2]):
+    if header is None:
+        return
+    writer = header[2]
+    if _parent_of(writer) == os.getpid():  # we just killed it (vLLM's launcher): let it die
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while pid_alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if pid_alive(writer):
         return
     try:
         if Segment.remove_stale(name):
