@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["PID_MAX_LIMIT", "pid_alive", "fork_generation", "int_arg", "number_arg"]
+__all__ = ["PID_MAX_LIMIT", "pid_alive", "proc_stat", "fork_generation", "int_arg", "number_arg"]
 
 PID_MAX_LIMIT = 1 << 22  # Linux's hard ceiling for pid_max (4194304); larger pids cannot exist
 
@@ -43,12 +43,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    try:  # a zombie (killed, not yet reaped by its parent) is dead: it holds nothing
+    stat = proc_stat(pid)  # a zombie (killed, not yet reaped by its parent) holds nothing
+    return stat is None or stat[0] not in ("Z", "X")
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of process `pid` from /proc, or None if it cannot be read."""
+    try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2][1:2]
-    except OSError:
-        return True
-    return state not in (b"Z", b"X")
+            fields = f.read().rpartition(b")")[2].split()  # after the command name
+        return fields[0].decode("ascii"), int(fields[1])
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def int_arg(value: Any, argument: str, low: int, high: int) -> int:

@@ -55,7 +55,7 @@ from vllm.multimodal.inputs import (
 )
 from vllm.utils.cache import CacheInfo
 
-from ._proc import env_seconds, pid_alive
+from ._proc import env_seconds, pid_alive, proc_stat
 from ._vllm_nodes import FEED_ERRORS, HeadPublisher, NodeFeed, node_layout
 from ._vllm_requests import RequestLedger, numbers_in
 from .errors import (
@@ -383,13 +383,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                     found = [f for i in range(0, len(want), MAX_KEYS)
                              for f in store.hand_out_cached(want[i:i + MAX_KEYS])]
                 else:
-                    found = [self._local_hand_out(h) for h in want]
+                    found = [self._hand_out_one(h) for h in want]
                 for mm_hash, hit in zip(want, found, strict=True):
                     if hit is not None:
                         self._touched[mm_hash] = hit
             return [h in self._touched for h in mm_hashes]
 
-    def _local_hand_out(self, mm_hash: str) -> tuple[Handle, int] | None:
+    def _hand_out_one(self, mm_hash: str) -> tuple[Handle, int] | None:
         try:
             return self._store.get_cached(mm_hash), self._store.handout_seq
         except KeyNotCached:
@@ -398,7 +398,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:  # is_cached took the hits' hand-outs: this finds them there
             if mm_hash not in self._touched and mm_hash in self._updates:
-                hit = self._local_hand_out(mm_hash)
+                hit = self._hand_out_one(mm_hash)
                 if hit is not None:
                     self._touched[mm_hash] = hit
 
@@ -717,14 +717,6 @@ _REMOVE_AT_EXIT: list[str] = []
 EXIT_WAIT_S = 2.0  # how long a parent waits at exit for the writer it killed to be gone
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _remove_if_orphaned(name: str) -> None:
     """The store `name`, if its writer is dead, is unlinked (a live writer's is left alone,
     and so is anything of that name that is not a shmstore segment: vLLM's own)."""
@@ -732,7 +724,8 @@ def _remove_if_orphaned(name: str) -> None:
     if header is None:
         return
     writer = header[2]
-    if _parent_of(writer) == os.getpid():  # we just killed it (vLLM's launcher): let it die
+    stat = proc_stat(writer)
+    if stat is not None and stat[1] == os.getpid():  # we just killed it (vLLM's launcher)
         deadline = time.monotonic() + EXIT_WAIT_S
         while pid_alive(writer) and time.monotonic() < deadline:
             time.sleep(0.01)
