@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -170,61 +171,58 @@ def test_a_hit_sends_a_handle_without_the_processor_and_counts(caches: Any) -> N
     assert (sender.make_stats(delta=True).hits, sender.make_stats().total) == (0, 3)
 
 
-def test_touched_items_survive_eviction_until_released(name: str) -> None:
+@pytest.fixture
+def one_worker(name: str) -> Iterator[tuple[Any, Any, Callable[[str], None]]]:
+    """A sender with a 6 MB store and its one worker; send(h) stores image h, the worker reads
+    it."""
     cfg = config(name, cache_mb=6, max_object_mb=6, world_size=1)
     sender = ShmstoreSenderCache(cfg)
     receiver = ShmstoreReceiverCache(cfg, None)
-    try:
-        def send(h: str) -> None:
-            out, _ = sender.get_and_update_item((image_item(hash(h) % 100), []), h)
-            receiver.get_and_update_item(over_the_wire(out), h)
 
-        send("a")
-        sender.touch_sender_cache_item("a")
-        for i in range(8):  # several times the store: everything else is evicted meanwhile
-            send(f"x{i}")
-        assert sender.is_cached_item("a")
-        out, _ = sender.get_and_update_item(None, "a")  # uses the touch
-        receiver.get_and_update_item(over_the_wire(out), "a")
-        sender.touch_sender_cache_item("x7")
-        sender.release_sender_touches()
-        for i in range(8, 16):
-            send(f"x{i}")
-        assert not sender.is_cached_item("a") and not sender.is_cached_item("x7")
-    finally:
-        receiver.close()
-        sender.close()
+    def send(h: str) -> None:
+        out, _ = sender.get_and_update_item((image_item(hash(h) % 100), []), h)
+        receiver.get_and_update_item(over_the_wire(out), h)
+
+    yield sender, receiver, send
+    receiver.close()
+    sender.close()
 
 
-def test_is_cached_pins_the_hits_until_used_or_released(name: str) -> None:
+def test_touched_items_survive_eviction_until_released(one_worker: Any) -> None:
+    sender, receiver, send = one_worker
+    send("a")
+    sender.touch_sender_cache_item("a")
+    for i in range(8):  # several times the store: everything else is evicted meanwhile
+        send(f"x{i}")
+    assert sender.is_cached_item("a")
+    out, _ = sender.get_and_update_item(None, "a")  # uses the touch
+    receiver.get_and_update_item(over_the_wire(out), "a")
+    sender.touch_sender_cache_item("x7")
+    sender.release_sender_touches()
+    for i in range(8, 16):
+        send(f"x{i}")
+    assert not sender.is_cached_item("a") and not sender.is_cached_item("x7")
+
+
+def test_is_cached_pins_the_hits_until_used_or_released(one_worker: Any) -> None:
     """vLLM asks is_cached, then processes the misses (which may evict), then touches: the
     hits are pinned from is_cached on. A request whose processing fails never uses them: they
     are given back at the next release, and the store evicts them again."""
-    cfg = config(name, cache_mb=6, max_object_mb=6, world_size=1)
-    sender = ShmstoreSenderCache(cfg)
-    receiver = ShmstoreReceiverCache(cfg, None)
-    try:
-        def send(h: str) -> None:
-            out, _ = sender.get_and_update_item((image_item(hash(h) % 100), []), h)
-            receiver.get_and_update_item(over_the_wire(out), h)
-
-        send("a")
-        send("b")
-        assert sender.is_cached(["a", "b", "c"]) == [True, True, False]
-        for i in range(8):  # a miss processed meanwhile, several times the store
-            send(f"x{i}")
-        assert sender.is_cached(["a", "b"]) == [True, True]  # both held
-        out, _ = sender.get_and_update_item(None, "a")  # a's request goes on
-        receiver.get_and_update_item(over_the_wire(out), "a")
-        sender.release_sender_touches()  # b's request failed: b goes back
-        assert sender.store.unread(sender.store.handle_of("b")) == (0,)  # nothing owed
-        for i in range(8, 16):
-            send(f"x{i}")
-        assert sender.is_cached(["a", "b"]) == [False, False]
-        assert sender.store.stats().reader_lag == (0,)
-    finally:
-        receiver.close()
-        sender.close()
+    sender, receiver, send = one_worker
+    send("a")
+    send("b")
+    assert sender.is_cached(["a", "b", "c"]) == [True, True, False]
+    for i in range(8):  # a miss processed meanwhile, several times the store
+        send(f"x{i}")
+    assert sender.is_cached(["a", "b"]) == [True, True]  # both held
+    out, _ = sender.get_and_update_item(None, "a")  # a's request goes on
+    receiver.get_and_update_item(over_the_wire(out), "a")
+    sender.release_sender_touches()  # b's request failed: b goes back
+    assert sender.store.unread(sender.store.handle_of("b")) == (0,)  # nothing owed
+    for i in range(8, 16):
+        send(f"x{i}")
+    assert sender.is_cached(["a", "b"]) == [False, False]
+    assert sender.store.stats().reader_lag == (0,)
 
 
 def test_oversize_and_full_are_sent_inline_never_dropped(name: str) -> None:
