@@ -7,7 +7,8 @@ inference server) share the store through the WriterHost the writer's process ru
     writer's process                              another process (RemoteWriter)
       StoreWriter + lock                            is_cached / get_cached / give_back /
       WriterHost thread(s) <--- unix socket --->    hand_out / narrow / end_handouts / ...
-                                                      (one round trip each)
+                                                      (one round trip each; give_back and
+                                                      narrow may be posted: no reply)
       ring in /dev/shm  <------------------------   put: `begin` lends a chunk of the ring,
                                                     the client copies the body straight into
                                                     it, `commit` publishes it (one copy)
