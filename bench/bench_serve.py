@@ -3,7 +3,8 @@ vLLM's own caches against shmstore's.
 
     OMP_NUM_THREADS=1 python bench/bench_serve.py [--quick] [--image-size 336] [--repeats 1]
                                                   [--mixes 0%,100%,zipf,fill] [--n 24]
-                                                  [--cache-gb 1] [--json PATH]
+                                                  [--cache-gb 1] [--json PATH] [--plot PNG]
+    python bench/bench_serve.py --from-json PATH [--plot PNG]   (a saved run, again)
 
 Configurations (each a fresh server, run one after another, in rounds when --repeats > 1):
 
@@ -231,7 +232,15 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--mixes", default=",".join(MIXES), help="hit mixes to run")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="a PNG of TTFT p50 per cell and configuration")
+    parser.add_argument("--from-json", type=Path, help="report (and plot) a saved --json run")
     args = parser.parse_args()
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        report(result)
+        if args.plot:
+            plot(result, args.plot)
+        return
     n = 6 if args.quick else args.n
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
@@ -247,6 +256,8 @@ def main() -> None:
     report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -271,8 +282,10 @@ def report(result: dict[str, Any]) -> None:
         print(f"\n{name}: memory {data['memory_mb']:.0f} MB (processes {data['pss_mb']:.0f}, "
               f"/dev/shm {data['shm_mb']:.1f})")
         for cell, v in data["cells"].items():
+            ipc = v.get("ipc_mb_per_request")  # absent from runs saved before it was counted
             print(f"  {cell:10s} {v['ttft_p50_ms']:7.1f} {v['ttft_p99_ms']:7.1f} "
-                  f"{v['requests_per_s']:6.2f}/s {v['ipc_mb_per_request']:7.3f} MB serialized")
+                  f"{v['requests_per_s']:6.2f}/s"
+                  + ("" if ipc is None else f" {ipc:7.3f} MB serialized"))
     print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, MB "
           "serialized between the server's processes per request; memory")
     for mine, theirs in PAIRS:
@@ -284,8 +297,35 @@ def report(result: dict[str, Any]) -> None:
             x, y = a["cells"][cell], b["cells"][cell]
             print(f"  {cell:10s} {x['ttft_p50_ms'] / y['ttft_p50_ms']:5.2f} "
                   f"{x['ttft_p99_ms'] / y['ttft_p99_ms']:5.2f} "
-                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f} "
-                  f"{x['ipc_mb_per_request'] / max(y['ipc_mb_per_request'], 1e-9):7.4f}")
+                  f"{x['requests_per_s'] / y['requests_per_s']:5.2f}"
+                  + ("" if "ipc_mb_per_request" not in x else
+                     f" {x['ipc_mb_per_request'] / max(y['ipc_mb_per_request'], 1e-9):7.4f}"))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """TTFT p50 per cell: each shmstore configuration beside the vLLM one it is compared with."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = result["configs"]
+    pairs = [(a, b) for a, b in PAIRS if a in configs and b in configs]
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 3.8), squeeze=False)
+    for ax, (mine, theirs) in zip(axes[0], pairs, strict=True):
+        cells = list(configs[mine]["cells"])
+        x = range(len(cells))
+        for offset, name in ((-0.2, theirs), (0.2, mine)):
+            ax.bar([i + offset for i in x], [configs[name]["cells"][c]["ttft_p50_ms"]
+                                              for c in cells], 0.4, label=name)
+        ax.set_xticks(list(x), cells, rotation=30)
+        ax.set_ylabel("TTFT p50, ms")
+        ax.set_title(f"{mine} vs {theirs}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"real vllm serve, {result.get('image_size', '?')} px images, one run "
+                 "(2-core machine: compare bars in one panel)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
