@@ -120,3 +120,12 @@ def test_bench_percall_breaks_every_call_down() -> None:
 def test_bench_wakeup_runs() -> None:
     out = run_printing_script("bench_wakeup.py", "--messages", "10", "--gap-ms", "2")
     assert "put to get p50" in out and "bare semaphore, same pacing: p50" in out
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
+def test_bench_serve_reports_and_plots_a_saved_run(tmp_path: Path) -> None:
+    """The saved run in bench/results redraws (the servers themselves run in the vLLM tests)."""
+    png = tmp_path / "serve.png"
+    out = run_printing_script("bench_serve.py", "--from-json",
+                              str(ROOT / "bench" / "results" / "serve_672.json"), "--plot", str(png))
+    assert "dp2-shmstore / dp2-fallback" in out and png.stat().st_size > 10_000
