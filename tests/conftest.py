@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 
@@ -33,7 +34,9 @@ def leftover_segments() -> list[str]:
         if entry.startswith(NAME_PREFIX) or entry.startswith("sem." + NAME_PREFIX):
             found.append(entry)
             continue
-        try:
+        try:  # only regular files: opening a FIFO someone left here would block
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
             with open(path, "rb") as f:
                 head = f.read(SEGMENT_HEADER.size)
         except OSError:
