@@ -124,8 +124,8 @@ def test_bench_wakeup_runs() -> None:
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
 def test_bench_serve_reports_and_plots_a_saved_run(tmp_path: Path) -> None:
-    """The saved run in bench/results redraws (the servers themselves run in the vLLM tests)."""
+    """The saved run in bench/saved redraws (the servers themselves run in the vLLM tests)."""
     png = tmp_path / "serve.png"
     out = run_printing_script("bench_serve.py", "--from-json",
-                              str(ROOT / "bench" / "results" / "serve_672.json"), "--plot", str(png))
+                              str(ROOT / "bench" / "saved" / "serve_672.json"), "--plot", str(png))
     assert "dp2-shmstore / dp2-fallback" in out and png.stat().st_size > 10_000
