@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python bench/bench_hitrate.py [--quick] [--requests N] [--out bench/results]
 
 For each family of bench/traces.py and each cache size (1, 5, 10, 25% of the trace's working
-set), the caches' decisions are replayed on metadata (shmstore.hitsim: the store's own ring
-placement and policy objects, and the lru kind's own LRU; tests/test_hitsim.py checks request
+set), the caches' decisions are replayed on metadata (shmstore.cache.hitsim: the store's own ring
+placement and policy objects, and the lru kind's own LRU; tests/cache/test_hitsim.py checks request
 by request that the replay and the real caches in shared memory agree). Kinds: shm-fifo,
 shm-reinsert, shm-freq (the default), lru at the same budget, and lru at the same total RAM (its
 N_READERS mirrors share the budget).
@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import FAMILIES, infinite_hit_ratio, make_family, working_set_bytes
 
-from shmstore.hitsim import SIM_KINDS, replay
-from shmstore.store import ObjectStore
+from shmstore.cache.hitsim import SIM_KINDS, replay
+from shmstore.store.object_store import ObjectStore
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2

@@ -28,10 +28,10 @@ import msgpack
 import numpy as np
 
 from shmstore import BroadcastQueue, ObjectStore
-from shmstore._serde_decode import decode
-from shmstore._store_layout import U64
 from shmstore.handle import key_digest
-from shmstore.serde import _Encoder, encode
+from shmstore.serde._decode import decode
+from shmstore.serde.codec import _Encoder, encode
+from shmstore.store._layout import U64
 
 BATCH = 200
 

@@ -33,9 +33,9 @@ import numpy as np
 import zmq
 
 from shmstore import Channel
-from shmstore._wire import HELLO, NEED, PING, PROTOCOL_VERSION, WELCOME, pack, parse
 from shmstore.errors import StoreFull, Timeout
 from shmstore.relay import Publisher
+from shmstore.relay._wire import HELLO, NEED, PING, PROTOCOL_VERSION, WELCOME, pack, parse
 
 MIB = 1 << 20
 HELD_IDS = 1 << 16  # the most one HELLO may list

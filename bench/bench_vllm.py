@@ -13,7 +13,7 @@ stored); "hit": the same hash again (only a handle is sent). Also the shared mem
 /dev/shm while running (allocated blocks of its segment). The two implementations run in the
 same invocation; ratios are vLLM time / shmstore time.
 
---engine also runs the end-to-end engine workload of tests/test_vllm_engine.py (a tiny LLaVA,
+--engine also runs the end-to-end engine workload of tests/vllm/test_vllm_engine.py (a tiny LLaVA,
 6 image prompts) with vLLM's lru cache, vLLM's shm cache (SHMSTORE_VLLM=0) and shmstore's, and
 reports generate() times: noisy on 2 cores, reported only.
 """
@@ -72,7 +72,7 @@ def receiver_main(impl: str, world_size: int, rank: int, lock: Any, conn: Any) -
     if impl == "vllm":
         from vllm.multimodal.cache.shm import ShmObjectStoreReceiverCache as Receiver
     else:
-        from shmstore._vllm_cache import ShmstoreReceiverCache as Receiver
+        from shmstore.vllm._receiver import ShmstoreReceiverCache as Receiver
     decoder = MsgpackDecoder(MultiModalKwargsItem)
     receiver = Receiver(config(world_size), lock)
     conn.send("ready")
@@ -103,7 +103,7 @@ def run_impl(impl: str, world_size: int, sizes: list[float], repeats: int) -> di
     if impl == "vllm":
         from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache as Sender
     else:
-        from shmstore._vllm_cache import ShmstoreSenderCache as Sender
+        from shmstore.vllm._sender import ShmstoreSenderCache as Sender
     ctx = mp.get_context("spawn")
     lock = ctx.Lock()
     sender = Sender(config(world_size))
@@ -158,7 +158,7 @@ def run_impl(impl: str, world_size: int, sizes: list[float], repeats: int) -> di
 def engine_runs() -> dict[str, float]:
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root))
-    from tests.tiny_llava import build
+    from tests.vllm.tiny_llava import build
 
     times = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +167,7 @@ def engine_runs() -> dict[str, float]:
                                     ("shmstore shm", "shm", {})):
             env = {**os.environ, **extra, "PYTHONPATH": str(root),
                    "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": f"bench-engine-{os.getpid()}"}
-            done = subprocess.run([sys.executable, str(root / "tests" / "vllm_engine_run.py"),
+            done = subprocess.run([sys.executable, str(root / "tests" / "vllm" / "vllm_engine_run.py"),
                                    str(model), cache, "1"], capture_output=True, text=True,
                                   timeout=600, env=env)
             line = [x for x in done.stdout.splitlines() if x.startswith("REPORT ")]

@@ -58,7 +58,7 @@ def put_after_idle() -> dict[float, float]:
 
 
 def queue_reader(name: str, n: int, out: Any) -> None:
-    import shmstore._wait as wait
+    import shmstore.shm._wait as wait
 
     woke: list[float] = []
     original = wait.Doorbell.wait

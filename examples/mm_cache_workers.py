@@ -8,8 +8,8 @@ import sys
 import numpy as np
 
 from shmstore import Channel, Closed
-from shmstore.cache import ReceiverCache, SenderCache
-from shmstore.hashing import mm_hash
+from shmstore.cache.caches import ReceiverCache, SenderCache
+from shmstore.cache.hashing import mm_hash
 
 N_WORKERS, BUDGET = 2, 64 << 20
 

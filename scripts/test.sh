@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up on a fresh machine and run the whole test suite, the linter and the type checker.
+# Set up on a fresh machine and run the whole test suite, the linter, the type checker and the
+# strict docs build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/python -m ruff check shmstore tests bench examples fuzz
 .venv/bin/python -m mypy
+scripts/docs.sh build
 .venv/bin/python -m pytest "$@"

@@ -1,13 +1,25 @@
 """shmstore: preprocessed multimodal tensors in one shared-memory ring, read in place by N workers.
 
 The core import stays light (numpy, msgpack, posix_ipc, blake3); torch is imported only when a
-tensor is met. Layers below this surface (segment, ring, serde internals) stay importable from
-their modules.
+tensor is met. The public names below are the surface; the layers under it stay importable from
+their modules. Layers, lowest first; each may import only layers before it, and only those its
+docstring's "May import:" line names (tests/test_layers.py checks both, and that no two modules
+import each other):
+
+    errors, handle, _proc   the words every layer shares: exceptions, Handle, process helpers
+    shm                     segments, the ring, the reader table, waiting
+    serde                   values to bytes and back, no pickle
+    store                   the object store on one ring: put, get, view, hand-outs, policies
+    queue                   the broadcast queue and the Channel
+    cache                   sender and receiver caches, mm_hash, hit-ratio simulation
+    relay                   a Channel published to other nodes over ZeroMQ
+    metrics                 Prometheus metrics of a store and its relay Publisher
+    vllm                    the vLLM plugin
+    cli                     the `shmstore` command
 """
 
-from .broadcast import BroadcastQueue, QueueReader, QueueWriter
-from .cache import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache
-from .channel import Channel, ChannelReader, ChannelWriter
+from .cache.caches import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache
+from .cache.hashing import mm_hash
 from .errors import (
     Closed,
     CorruptObject,
@@ -37,9 +49,10 @@ from .errors import (
     WrongThread,
 )
 from .handle import Handle
-from .hashing import mm_hash
-from .serde import Blank, dumps, loads
-from .store import ObjectStore, StoreReader, StoreStats, StoreWriter
+from .queue.broadcast import BroadcastQueue, QueueReader, QueueWriter
+from .queue.channel import Channel, ChannelReader, ChannelWriter
+from .serde.codec import Blank, dumps, loads
+from .store.object_store import ObjectStore, StoreReader, StoreStats, StoreWriter
 
 __version__ = "0.2.0"
 

@@ -162,7 +162,7 @@ class ObjectTooLarge(ShmStoreError, ValueError):
 class NotSerializable(ShmStoreError, TypeError, ValueError):
     """A value the serializer cannot carry (a type, an int beyond 64 bits, too deep, bad str).
 
-    `path` says where inside the value, e.g. "obj['pixel_values'][2]".
+    `path` says where inside the value, e.g. `obj['pixel_values'][2]`.
     """
 
     def __init__(self, message: str, path: str) -> None:

@@ -39,6 +39,8 @@ With a relay Publisher (`publisher=`; the vLLM cache of a TP group across nodes)
     shmstore_relay_refs_sent_total      references sent instead of a body (per node)
 
 Needs `prometheus_client` (installed with the `vllm` extra).
+
+May import: errors, handle, _proc, store (a relay Publisher's stats are read by their fields).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .store import StoreWriter
+from .store.object_store import StoreWriter
 
 __all__ = ["register_store_metrics", "register_collector", "mirror_to_multiprocess",
            "StoreCollector"]

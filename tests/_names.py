@@ -3,9 +3,9 @@
 from shmstore import *  # noqa: F403
 from shmstore import __all__ as _public
 from shmstore.errors import BadMagic, InvalidName, SegmentTooSmall, VersionMismatch, WrongSegmentKind
-from shmstore.ring import RingWriter, ShmRingBuffer
-from shmstore.segment import Segment
-from shmstore.serde import decode, encode
+from shmstore.serde.codec import decode, encode
+from shmstore.shm.ring import RingWriter, ShmRingBuffer
+from shmstore.shm.segment import Segment
 
 __all__ = [*_public, "BadMagic", "InvalidName", "SegmentTooSmall", "VersionMismatch",
            "WrongSegmentKind", "RingWriter", "ShmRingBuffer", "Segment", "decode", "encode"]

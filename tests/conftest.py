@@ -10,10 +10,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from shmstore.segment import MAGIC, SEGMENT_HEADER, SHM_DIR
+from shmstore._proc import pid_alive
+from shmstore.shm.segment import MAGIC, SEGMENT_HEADER, SHM_DIR
 
 SESSION_START_NS = time.time_ns()
-NAME_PREFIX = "shmstore-test-"
+# One token per test session, inherited by the processes it spawns: the leak check below only
+# ever removes this session's segments, never those of a run beside it.
+SESSION = os.environ.setdefault("SHMSTORE_TEST_SESSION", secrets.token_hex(3))
+NAME_PREFIX = f"shmstore-test-{SESSION}-"
+WRITER_PID_FIELD = 7  # SEGMENT_HEADER: magic, version, kind, readers, data offset, capacity, total, pid
 
 
 def new_name(tag: str = "t") -> str:
@@ -27,7 +32,10 @@ def name(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def leftover_segments() -> list[str]:
-    """shmstore segments made during this session (or with the test prefix) still in /dev/shm."""
+    """shmstore segments made during this session (or with its test prefix) still in /dev/shm.
+
+    A segment under another name counts when it was made after the session started and its
+    writer is gone (or is this process): a live writer elsewhere is another run's, not a leak."""
     found = []
     for entry in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, entry)
@@ -42,10 +50,16 @@ def leftover_segments() -> list[str]:
         except OSError:
             continue
         if len(head) == SEGMENT_HEADER.size and head[:8] == MAGIC:
-            created_ns = SEGMENT_HEADER.unpack(head)[9]
-            if created_ns >= SESSION_START_NS:
+            fields = SEGMENT_HEADER.unpack(head)
+            writer_pid, created_ns = fields[WRITER_PID_FIELD], fields[9]
+            if created_ns >= SESSION_START_NS and (writer_pid == os.getpid() or not pid_alive(writer_pid)):
                 found.append(entry)
     return sorted(found)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The leak check runs after every other test, wherever its file sorts."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/test_leaks.py"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmstore._queue_layout import QUEUE_META, QUEUE_ROW, SLOT_HEADER
-from shmstore._store_layout import OBJECT_HEADER, ROW_PIN_MASK, STORE_META, STORE_ROW
-from shmstore.segment import SEGMENT_HEADER
+from shmstore.queue._layout import QUEUE_META, QUEUE_ROW, SLOT_HEADER
+from shmstore.shm.segment import SEGMENT_HEADER
+from shmstore.store._layout import OBJECT_HEADER, ROW_PIN_MASK, STORE_META, STORE_ROW
 from tests._names import Channel, ShmStoreError
 
 SPAWN = mp.get_context("spawn")
@@ -323,8 +323,8 @@ def test_a_get_whose_pin_words_were_damaged_fails_instead_of_returning_reused_by
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pin is what keeps bytes under read; damage it mid-read, let the writer reuse the
     space, and the copy must be refused (StaleHandle), not returned."""
-    import shmstore.store as store_module
-    from shmstore._store_layout import ROW_PINS
+    import shmstore.store.object_store as store_module
+    from shmstore.store._layout import ROW_PINS
     from tests._names import ObjectStore, StaleHandle
 
     real_decode = store_module.decode
@@ -350,7 +350,7 @@ def test_a_get_whose_pin_words_were_damaged_fails_instead_of_returning_reused_by
 def test_a_queue_reader_the_writer_stopped_waiting_for_is_told_and_goes_on(name: str) -> None:
     """Damage a reader's owner word so the writer takes it for gone and writes past it: the
     reader must say what it lost once and go on with the oldest message still held."""
-    from shmstore._readers import ROW_OWNER
+    from shmstore.shm._readers import ROW_OWNER
     from tests._names import BroadcastQueue, CorruptObject
 
     with BroadcastQueue.create(name, 1, slot_bytes=64, n_slots=4) as w, \
@@ -397,7 +397,7 @@ def test_a_handle_lost_with_a_damaged_message_is_not_owed_forever(name: str) -> 
 def test_a_row_damaged_back_to_never_attached_is_not_owed_forever(name: str) -> None:
     """Generations only grow: a row the writer saw attached that reads 0 later is damage, and
     must not make the store wait for a reader that 'never came'."""
-    from shmstore._readers import ROW_OWNER
+    from shmstore.shm._readers import ROW_OWNER
     from tests._names import ObjectStore
 
     with ObjectStore.create(name, capacity_bytes=256 << 10, n_readers=2) as w, \

@@ -45,7 +45,7 @@ def test_every_statistic_is_exported_and_follows_the_store(name: str) -> None:
 
 def test_a_relay_publishers_statistics_are_exported_per_node(name: str) -> None:
     from shmstore import Channel
-    from shmstore.relay import Publisher, Relay
+    from shmstore.relay.node import Publisher, Relay
 
     registry = prometheus_client.CollectorRegistry()
     fast = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1, "allow_plaintext": True}

@@ -51,3 +51,28 @@ def test_import_is_light_and_does_not_pull_torch() -> None:
     code = f"import sys, shmstore; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+ENTRY_POINTS = {  # (group, name): the object it must load; what users' installs depend on
+    ("vllm.general_plugins", "shmstore"): "shmstore.vllm.plugin:register",
+    ("console_scripts", "shmstore"): "shmstore.cli:main",
+}
+
+
+def test_entry_points_are_declared_installed_and_load() -> None:
+    """pyproject declares them, the installed metadata agrees (a stale install would hide a
+    rename), and each loads the function it names."""
+    import importlib.metadata
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    declared = {("console_scripts", k): v for k, v in project["project"]["scripts"].items()}
+    for group, table in project["project"]["entry-points"].items():
+        declared.update({(group, k): v for k, v in table.items()})
+    assert {key: declared.get(key) for key in ENTRY_POINTS} == ENTRY_POINTS
+    for (group, name), value in ENTRY_POINTS.items():
+        found = [e for e in importlib.metadata.entry_points(group=group) if e.name == name]
+        assert [e.value for e in found] == [value], f"reinstall (pip install -e .): {found}"
+        assert callable(found[0].load())

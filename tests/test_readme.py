@@ -32,3 +32,18 @@ def test_readme_links_are_not_git_ignored() -> None:
     proc = subprocess.run(["git", "check-ignore", *_local_targets()], cwd=ROOT,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1, f"README links to git-ignored files: {proc.stdout.split()}"
+
+
+def test_the_readme_api_taste_runs_as_written() -> None:
+    """The README's Python example, run as printed (under a name of this session)."""
+    from tests.conftest import new_name
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    code = text[start:text.index("```", start)]
+    assert '"frontend-0"' in code, "the example's segment name changed: update this test"
+    scope: dict[str, object] = {}
+    exec(compile(code.replace('"frontend-0"', repr(new_name("readme"))), "README.md", "exec"), scope)
+    assert scope["total"] == 3 * 336 * 336
+    assert scope["owned"]["pixel_values"].shape == (3, 336, 336)  # type: ignore[index]
+    assert scope["writer"].closed and scope["reader"].closed  # type: ignore[attr-defined]

@@ -20,10 +20,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmstore._store_layout import ROW_PIN_MASK
-from shmstore.broadcast import META_WRITE_SEQ
-from shmstore.cli import list_segments
-from shmstore.serde import BODY_HEADER, BODY_MAGIC, EXT_TUPLE
+from shmstore.cli.commands import list_segments
+from shmstore.queue.broadcast import META_WRITE_SEQ
+from shmstore.serde.codec import BODY_HEADER, BODY_MAGIC, EXT_TUPLE
+from shmstore.store._layout import ROW_PIN_MASK
 from tests._names import (
     BroadcastQueue,
     Channel,
@@ -348,7 +348,7 @@ def test_7_replacement_channel_readers_are_never_owed_what_they_never_receive(na
 
 
 def test_8_objects_put_before_a_first_attach_stay_owed_during_it(name: str, monkeypatch) -> None:
-    from shmstore._readers import ReaderTable
+    from shmstore.shm._readers import ReaderTable
 
     w = ObjectStore.create(name, 8 * KIB, n_readers=1)
     h = w.put("early", np.arange(500))
@@ -395,7 +395,7 @@ def _inject_at(line: int, fn: Callable[[], Any]) -> tuple[bool, Any]:
         # Not inside CallGuard's few lines of bookkeeping: an exception there can leave a call
         # counted as in flight (close() then unlinks but never unmaps); the README lists this.
         filename = frame.f_code.co_filename
-        if filename.startswith(package) and not filename.endswith("_closeable.py"):
+        if filename.startswith(package) and not filename.endswith("shm/_closeable.py"):
             return local
         return None
 
@@ -563,7 +563,7 @@ def test_12_damaged_queue_slots_are_skipped_once_and_never_wedge(name: str) -> N
 
 def test_13_a_writer_killed_while_reserving_leaves_a_name_tools_and_restarts_recover(name: str) -> None:
     code = f"""
-import os, shmstore.segment as seg
+import os, shmstore.shm.segment as seg
 from shmstore import ObjectStore
 original = seg._reserve
 def reserve_then_die(fd, name, total):

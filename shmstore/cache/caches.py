@@ -1,0 +1,357 @@
+"""Multimodal processor caches: one interface, three kinds, chosen by name.
+
+The sender (P0, the frontend) calls `process(key, make_value)` for every multimodal item of every
+request; `make_value` (the expensive preprocessing) runs only on a miss. What it returns, the
+payload, goes to every worker with the request. Each worker calls `resolve(payload)` (or
+`resolve_view`) and gets the value back, whichever path it took.
+
+Kinds (all take the same byte budget, `capacity_bytes`):
+
+    shm-fifo      one shared ObjectStore ring, FIFO eviction: the payload is a Handle (40 bytes).
+                  A value above max_object_size, or a store whose oldest object is still owed to
+                  a worker, is sent inline instead (counted as an inline fallback). Memory: one
+                  copy of the budget, shared by all workers.
+    shm-reinsert  the same ring with FIFO-reinsertion: an object hit since it was written is
+                  copied forward instead of dropped (bytes copied are reported).
+    shm-freq      the same ring with the `freq` policy (the recommended kind): a 2-bit use
+                  count and a ghost list of evicted keys decide what is copied forward.
+    lru           mirrored LRU: the sender keeps keys and sizes in an LRU with the budget and sends
+                  only the key on a hit; every worker keeps the values in its own process memory
+                  in an LRU of the same budget, fed by the misses, so the mirrors stay in step.
+                  Memory: n_readers copies of the budget.
+
+Make the sender with `SenderCache.create(kind, ...)` and each receiver with
+`ReceiverCache.attach(kind, ...)`. Payloads are tuples that shmstore's serializer and queue carry,
+led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle), (PAYLOAD_VALUE, value), (PAYLOAD_KEY, key) and
+(PAYLOAD_PUT, key, nbytes, value).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .._proc import int_arg
+from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StoreFull
+from ..handle import check_key
+from ..serde.codec import encode, materialize
+from ..shm._closeable import Closeable
+from ..shm.segment import MAX_CAPACITY_BYTES
+from ..store.object_store import ObjectStore, StoreReader, StoreWriter
+
+__all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
+           "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]
+
+CACHE_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "lru")
+PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
+PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
+PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
+PAYLOAD_PUT = 4  # (PAYLOAD_PUT, key, nbytes, value): lru miss, the mirror inserts it
+
+
+def _check_kind(kind: Any) -> str:
+    if kind not in CACHE_KINDS:
+        raise InvalidArgument(f"unknown cache kind {kind!r}; choose one of {CACHE_KINDS}",
+                              "kind", kind)
+    return str(kind)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Sender-side counters of one cache; memory is summed over every process."""
+
+    kind: str
+    requests: int
+    hits: int
+    hit_ratio: float
+    bytes_requested: int
+    bytes_hit: int
+    byte_hit_ratio: float
+    evictions: int
+    inline_fallbacks: int
+    bytes_reinserted: int
+    memory_bytes: int  # shm kinds: the reserved segment; lru: n_readers mirrors, as filled now
+    capacity_bytes: int
+    n_readers: int
+
+
+class SenderCache(Closeable):
+    """The frontend side. Only the process that made it may call it."""
+
+    kind = ""
+
+    @staticmethod
+    def create(kind: str, *, capacity_bytes: int, n_readers: int = 1, name: str | None = None,
+               max_object_bytes: int | None = None) -> SenderCache:
+        """Make the sender of a cache of `kind` (one of CACHE_KINDS).
+
+        Args:
+            capacity_bytes: the byte budget (every lru receiver needs the same value).
+            n_readers: workers that receive every payload.
+            name: the shared segment of shm kinds (None: a random name; see `.name`).
+            max_object_bytes: largest value the shm store holds; larger ones go inline.
+        """
+        if _check_kind(kind) == "lru":
+            return LruSenderCache(capacity_bytes, n_readers)
+        return ShmSenderCache(kind, name, capacity_bytes, n_readers, max_object_bytes)
+
+    def __init__(self, capacity_bytes: int, n_readers: int) -> None:
+        self.capacity_bytes = int_arg(capacity_bytes, "capacity_bytes", 1, MAX_CAPACITY_BYTES)
+        self.n_readers = n_readers
+        self._requests = self._hits = self._bytes_requested = self._bytes_hit = 0
+        self._fallbacks = 0
+
+    def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
+        """Return the payload for `key`, calling make_value() only on a miss."""
+        raise NotImplementedError
+
+    def process_into(self, key: str | bytes, template: Any,
+                     fill: Callable[[dict[Any, Any]], None]) -> Any:
+        """process() for a value whose arrays are computed in place: `template` holds Blanks
+        (see StoreWriter.reserve) and, on a miss only, `fill(arrays)` writes them. The shm
+        kinds hand it the arrays' places in shared memory (nothing is copied); otherwise, and
+        for values sent inline, arrays in this process's memory."""
+        def make_value() -> Any:
+            value, arrays = materialize(template)
+            fill(arrays)
+            return value
+
+        return self.process(key, make_value)
+
+    def stats(self) -> CacheStats:
+        raise NotImplementedError
+
+    def _count(self, nbytes: int, hit: bool) -> None:
+        self._requests += 1
+        self._bytes_requested += nbytes
+        if hit:
+            self._hits += 1
+            self._bytes_hit += nbytes
+
+    def _stats(self, evictions: int, bytes_reinserted: int, memory_bytes: int) -> CacheStats:
+        return CacheStats(
+            kind=self.kind, requests=self._requests, hits=self._hits,
+            hit_ratio=self._hits / self._requests if self._requests else 0.0,
+            bytes_requested=self._bytes_requested, bytes_hit=self._bytes_hit,
+            byte_hit_ratio=self._bytes_hit / self._bytes_requested if self._bytes_requested else 0.0,
+            evictions=evictions, inline_fallbacks=self._fallbacks,
+            bytes_reinserted=bytes_reinserted, memory_bytes=memory_bytes,
+            capacity_bytes=self.capacity_bytes, n_readers=self.n_readers,
+        )
+
+    def close(self) -> None:
+        """Release what the cache holds; idempotent."""
+
+
+
+class ReceiverCache(Closeable):
+    """One worker's side. `resolve` gives an owned value; `resolve_view` may give views."""
+
+    kind = ""
+
+    @staticmethod
+    def attach(kind: str, *, capacity_bytes: int, name: str | None = None,
+               reader: int = 0) -> ReceiverCache:
+        """Make worker `reader`'s side of a cache of `kind`.
+
+        Args:
+            capacity_bytes: the sender's budget (the lru mirror must match it).
+            name: the sender's `.name` (shm kinds).
+        """
+        if _check_kind(kind) == "lru":
+            return LruReceiverCache(capacity_bytes)
+        if name is None:
+            raise InvalidArgument("a shm receiver needs the store's name (the sender's .name)",
+                                  "name", name)
+        return ShmReceiverCache(kind, name, reader)
+
+    def resolve(self, payload: Any) -> Any:
+        raise NotImplementedError
+
+    @contextmanager
+    def resolve_view(self, payload: Any) -> Iterator[Any]:
+        """Yield the value; for shm kinds arrays point into shared memory inside the block."""
+        yield self.resolve(payload)
+
+    def close(self) -> None:
+        """Release what the cache holds; idempotent."""
+
+
+
+def _bad_payload(payload: Any, kind: str) -> CorruptObject:
+    return CorruptObject(f"{kind} cache got payload {payload!r:.80}, which no {kind} sender "
+                         "makes: sender and receivers must use the same cache kind")
+
+
+# -- shared-memory kinds ------------------------------------------------------------------------
+
+class ShmSenderCache(SenderCache):
+    """shm-* sender: the ObjectStore writer, with the policy the kind names."""
+
+    def __init__(self, kind: str, name: str | None, capacity_bytes: int, n_readers: int,
+                 max_object_bytes: int | None) -> None:
+        super().__init__(capacity_bytes, n_readers)
+        self.kind = kind
+        self.store: StoreWriter = ObjectStore.create(
+            name, capacity_bytes, n_readers, max_object_bytes,
+            policy=kind.removeprefix("shm-"))
+        self.name = self.store.name
+
+    def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
+        store = self.store
+        if store.is_cached(key):
+            self._count(store.object_bytes(key), hit=True)
+            return (PAYLOAD_HANDLE, store.get_cached(key))
+        value = make_value()
+        enc = encode(value)
+        self._count(enc.nbytes, hit=False)
+        try:
+            return (PAYLOAD_HANDLE, store.put_encoded(key, enc, timeout=0))
+        except (ObjectTooLarge, StoreFull):
+            self._fallbacks += 1
+            return (PAYLOAD_VALUE, value)
+
+    def process_into(self, key: str | bytes, template: Any,
+                     fill: Callable[[dict[Any, Any]], None]) -> Any:
+        store = self.store
+        if store.is_cached(key):
+            self._count(store.object_bytes(key), hit=True)
+            return (PAYLOAD_HANDLE, store.get_cached(key))
+        filling = False
+        try:
+            with store.reserve(key, template, timeout=0) as reservation:
+                filling = True
+                fill(reservation.arrays)
+        except (ObjectTooLarge, StoreFull):
+            if filling:
+                raise  # from fill itself, not from making room
+            self._fallbacks += 1
+            value, arrays = materialize(template)
+            fill(arrays)
+            self._count(encode(value).nbytes, hit=False)
+            return (PAYLOAD_VALUE, value)
+        self._count(store.object_bytes(key), hit=False)
+        return (PAYLOAD_HANDLE, reservation.handle)
+
+    def stats(self) -> CacheStats:
+        s = self.store.stats()
+        return self._stats(s.evictions, s.bytes_reinserted, self.store.segment_bytes)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ShmReceiverCache(ReceiverCache):
+    """shm-* receiver: an ObjectStore reader."""
+
+    def __init__(self, kind: str, name: str, reader: int) -> None:
+        self.kind = kind
+        self.store: StoreReader = ObjectStore.attach(name, reader)
+
+    def resolve(self, payload: Any) -> Any:
+        tag = payload[0] if type(payload) is tuple and payload else None
+        if tag == PAYLOAD_HANDLE and len(payload) == 2:
+            return self.store.get(payload[1])
+        if tag == PAYLOAD_VALUE and len(payload) == 2:
+            return payload[1]
+        raise _bad_payload(payload, self.kind)
+
+    @contextmanager
+    def resolve_view(self, payload: Any) -> Iterator[Any]:
+        if type(payload) is tuple and len(payload) == 2 and payload[0] == PAYLOAD_HANDLE:
+            with self.store.view(payload[1]) as value:
+                yield value
+        else:
+            yield self.resolve(payload)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# -- mirrored LRU -------------------------------------------------------------------------------
+
+class _LruBytes:
+    """An LRU of key -> (nbytes, value) bounded by total nbytes; the sender and every receiver
+    run the same one, fed the same sequence, so they evict the same keys."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[str | bytes, tuple[int, Any]] = OrderedDict()
+        self.used_bytes = 0
+        self.evictions = 0
+
+    def touch(self, key: str | bytes) -> tuple[int, Any] | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def insert(self, key: str | bytes, nbytes: int, value: Any) -> None:
+        while self.entries and self.used_bytes + nbytes > self.capacity_bytes:
+            _, (old_bytes, _) = self.entries.popitem(last=False)
+            self.used_bytes -= old_bytes
+            self.evictions += 1
+        self.entries[key] = (nbytes, value)
+        self.used_bytes += nbytes
+
+
+class LruSenderCache(SenderCache):
+    """lru sender: keys and sizes only."""
+
+    kind = "lru"
+
+    def __init__(self, capacity_bytes: int, n_readers: int) -> None:
+        super().__init__(capacity_bytes, n_readers)
+        self._lru = _LruBytes(capacity_bytes)
+
+    def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
+        check_key(key)
+        entry = self._lru.touch(key)
+        if entry is not None:
+            self._count(entry[0], hit=True)
+            return (PAYLOAD_KEY, key)
+        value = make_value()
+        nbytes = encode(value).nbytes  # the size decides eviction in every mirror alike
+        self._count(nbytes, hit=False)
+        if nbytes > self.capacity_bytes:
+            self._fallbacks += 1
+            return (PAYLOAD_VALUE, value)
+        self._lru.insert(key, nbytes, None)
+        return (PAYLOAD_PUT, key, nbytes, value)
+
+    def stats(self) -> CacheStats:
+        return self._stats(self._lru.evictions, 0, self.n_readers * self._lru.used_bytes)
+
+
+class LruReceiverCache(ReceiverCache):
+    """lru receiver: a mirror that holds the values in this process's memory."""
+
+    kind = "lru"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._lru = _LruBytes(capacity_bytes)
+
+    def resolve(self, payload: Any) -> Any:
+        tag = payload[0] if type(payload) is tuple and payload else None
+        if tag == PAYLOAD_KEY and len(payload) == 2:
+            entry = self._lru.touch(payload[1])
+            if entry is None:
+                raise CorruptObject(
+                    f"lru mirror has no value for key {payload[1]!r}: this receiver missed a "
+                    "payload or has another capacity than the sender; give every receiver the "
+                    "sender's capacity_bytes and every payload, in order")
+            return entry[1]
+        if tag == PAYLOAD_PUT and len(payload) == 4 and type(payload[2]) is int:
+            _, key, nbytes, value = payload
+            self._lru.insert(key, nbytes, value)
+            return value
+        if tag == PAYLOAD_VALUE and len(payload) == 2:
+            return payload[1]
+        raise _bad_payload(payload, self.kind)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._lru.used_bytes

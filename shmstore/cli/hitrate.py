@@ -1,0 +1,313 @@
+"""`shmstore hitrate TRACE`: the caches' hit ratios on a user's own trace, and what to run.
+
+    shmstore hitrate requests.csv [--budgets 1%,5%,10%,25%] [--workers 8] [--target 0.6]
+
+Reads the trace (below), replays it through every cache kind at every budget on metadata
+alone (cache/hitsim.py: the same ring, policies and LRU as the real caches; a progress bar on
+stderr), checks a sample request by request against the real caches in shared memory
+(`--verify N`, scaled down), prints a table, writes hitrate.csv and hitrate.png into --out,
+and ends with a recommendation: the kind and budget that reach the target hit ratio, and the
+memory each kind needs with N workers (an shm kind: one copy; lru: one mirror per worker).
+
+With `--frontends N` the trace is also replayed as N front ends (API servers) with a cache
+each, every budget split N ways: the same total memory as one shared cache, which is what a
+shared shmstore store gives several API servers. Requests reach the front ends in turn, or
+with `--route column` by a stable hash of the trace's route column (a session or user id).
+
+Trace formats (`--format`, guessed from the name and the first bytes when not given):
+
+    csv             one request per line: time or order, key, bytes (a header line with those
+                    names, or timestamp/obj_id/obj_size, is recognised and skipped). Other
+                    layouts: `--columns time=1,key=2,bytes=3` (1-based; libCacheSim's
+                    time-col/obj-id-col/obj-size-col names work too) and `--delimiter`.
+    oracleGeneral   libCacheSim's binary format: 24 bytes per request (u32 time, u64 object id,
+                    u32 size, i64 next access), uncompressed.
+
+`bytes` is the item's size as the cache stores it (serialized tensors); requests are replayed
+in file order, or by time when the time column is given and not sorted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import signal
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..cache.hitsim import SIM_KINDS, SimStats, make_sim, real_hits, replay, replay_split, route_index
+from ._traces import Trace, TraceError, read_trace
+from ._units import format_size, parse_size
+
+__all__ = ["add_arguments", "main", "read_trace", "TraceError", "recommend"]
+
+DEFAULT_BUDGETS = "1%,2%,5%,10%,25%,50%"
+MAX_BUDGET_BYTES = 1 << 50  # 1 PiB
+MAX_FRONTENDS = 1024  # API servers on one node; more is a typo
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="the trace file (csv or oracleGeneral)")
+    parser.add_argument("--format", choices=("csv", "oracleGeneral"), default=None)
+    parser.add_argument("--columns", default=None,
+                        help="csv columns, 1-based: time=1,key=2,bytes=3 (time=0: none)")
+    parser.add_argument("--delimiter", default=None, help="csv delimiter (default: guessed)")
+    parser.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                        help="cache sizes: percents of the working set or sizes (512MiB, 4GiB)")
+    parser.add_argument("--kinds", default=",".join(SIM_KINDS), help="cache kinds to compare")
+    parser.add_argument("--workers", type=int, default=8,
+                        help="workers reading every item (the TP size)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="hit ratio to reach (default: 90%% of an unbounded cache's)")
+    parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument("--verify", type=int, default=1000,
+                        help="check the first N requests against the real caches (0: skip)")
+    parser.add_argument("--frontends", type=int, default=1,
+                        help="also replay N front ends (API servers): one shared cache against "
+                             "N separate caches of the same total memory")
+    parser.add_argument("--route", choices=("roundrobin", "column"), default="roundrobin",
+                        help="how requests reach the front ends: in turn, or by the trace's "
+                             "route column (--columns ...,route=N; a stable hash of its value)")
+    parser.add_argument("--out", default=".", help="folder for hitrate.csv and hitrate.png")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# -- budgets and the replay -----------------------------------------------------------------------
+
+def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
+    """(label, bytes) per budget of `spec`: "5%" of the working set, or "4GiB"."""
+    budgets = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            if part.endswith("%"):
+                percent = float(part[:-1])
+                if not 0 < percent <= 1e6:  # also nan and inf
+                    raise ValueError(part)
+                nbytes = int(percent * working_set / 100)
+            else:
+                nbytes = parse_size(part)
+        except (ValueError, OverflowError):
+            raise TraceError(f"--budgets: {part!r} is neither a percent (5%, up to 1000000%) nor "
+                             "a size (512MiB, 4GiB)") from None
+        if nbytes < 1:
+            raise TraceError(f"--budgets: {part!r} is less than one byte of this trace")
+        if nbytes > MAX_BUDGET_BYTES:
+            raise TraceError(f"--budgets: {part!r} is {nbytes} bytes, above 1 PiB; give a "
+                             "smaller budget")
+        budgets.append((part, nbytes))
+    return budgets
+
+
+def working_set_bytes(trace: Trace) -> int:
+    """The bytes of every distinct item at its largest size in the trace."""
+    largest: dict[Hashable, int] = {}
+    for key, nbytes in trace:
+        if nbytes > largest.get(key, -1):
+            largest[key] = nbytes
+    return sum(largest.values())
+
+
+def recommend(stats: Sequence[SimStats], target: float, workers: int) -> list[str]:
+    """Lines saying, per kind, the smallest budget tried that reaches `target` and its memory,
+    then the kind that needs the least memory for it."""
+    lines = []
+    choices: list[tuple[int, float, str, int]] = []
+    for kind in dict.fromkeys(s.kind for s in stats):
+        runs = sorted((s for s in stats if s.kind == kind), key=lambda s: s.capacity_bytes)
+        good = next((s for s in runs if s.hit_ratio >= target), None)
+        if good is None:
+            lines.append(f"  {kind:<13} does not reach {target:.1%} at the budgets tried "
+                         f"(best {runs[-1].hit_ratio:.1%} at {format_size(runs[-1].capacity_bytes)})")
+            continue
+        memory = good.capacity_bytes * (workers if kind == "lru" else 1)
+        where = (f"{workers} mirrors of {format_size(good.capacity_bytes)}" if kind == "lru"
+                 else "one shared copy")
+        lines.append(f"  {kind:<13} {good.hit_ratio:.1%} at a budget of "
+                     f"{format_size(good.capacity_bytes)}: {format_size(memory)} of memory ({where})")
+        choices.append((memory, -good.hit_ratio, kind, good.capacity_bytes))
+    if choices:
+        memory, _, kind, budget = min(choices)
+        lines.append(f"recommended: cache kind {kind} with a budget of {format_size(budget)} "
+                     f"({format_size(memory)} of memory in all with {workers} workers)")
+    else:
+        lines.append("recommended: no kind reaches the target at these budgets; try larger "
+                     "--budgets or a lower --target")
+    return lines
+
+
+def _progress_bar(total: int, disabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety: pip install tqdm
+        disabled = True
+    if disabled:
+        return (lambda n: None), (lambda: None)
+    bar = tqdm(total=total, unit="req", unit_scale=True, file=sys.stderr, desc="replaying")
+    return bar.update, bar.close
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)  # unwinds: the verify step closes (and unlinks) its stores
+
+
+def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        if args.frontends < 1 or args.frontends > MAX_FRONTENDS:
+            raise TraceError(f"--frontends {args.frontends}: give 1 to {MAX_FRONTENDS} (1: one "
+                             "front end, no comparison)")
+        routes: list[str] | None = [] if args.frontends > 1 and args.route == "column" else None
+        trace = read_trace(args.trace, args.format, args.columns, args.delimiter, args.limit,
+                           routes)
+        if not trace:
+            raise TraceError(f"{args.trace}: no requests")
+        working_set = working_set_bytes(trace)
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in SIM_KINDS]
+        if bad or not kinds:
+            raise TraceError(f"--kinds: {bad or kinds!r}; choose from {','.join(SIM_KINDS)}")
+        budgets = parse_budgets(args.budgets, working_set)
+        if args.workers < 1:
+            raise TraceError("--workers must be at least 1")
+    except (TraceError, OSError) as exc:
+        print(f"shmstore hitrate: {exc}", file=sys.stderr)
+        return 2
+    unique = len({k for k, _ in trace})
+    infinite = 1 - unique / len(trace)
+    target = args.target if args.target is not None else 0.9 * infinite
+    print(f"{args.trace}: {len(trace):,} requests, {unique:,} items, working set "
+          f"{format_size(working_set)}, unbounded cache {infinite:.1%}; {args.workers} workers")
+    t0 = time.perf_counter()
+    update, done = _progress_bar(len(trace), args.no_progress)
+    try:
+        stats = replay(trace, kinds, [b for _, b in budgets], args.workers, update)
+    finally:
+        done()
+    elapsed = time.perf_counter() - t0
+    rows = _table(stats, budgets, kinds, working_set, len(trace), args.workers)
+    print(f"replayed {len(trace) * len(stats):,} cache requests in {elapsed:.1f} s")
+    if args.frontends > 1:
+        _frontends_table(trace, routes, args, kinds, budgets, stats, rows)
+    if args.verify:
+        print(verify(trace[:args.verify], kinds, [b / working_set for _, b in budgets]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "hitrate.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    written = [out / "hitrate.csv"]
+    if _plot(rows, kinds, out / "hitrate.png"):
+        written.append(out / "hitrate.png")
+    print(f"for a hit ratio of {target:.1%}:")
+    print("\n".join(recommend(stats, target, args.workers)))
+    print("wrote " + " and ".join(str(p) for p in written))
+    return 0
+
+
+def _table(stats: list[SimStats], budgets: list[tuple[str, int]], kinds: list[str],
+           working_set: int, n: int, workers: int) -> list[dict[str, Any]]:
+    rows = []
+    print(f"{'budget':>10} {'kind':>13} {'hit ratio':>9} {'byte hits':>9} {'copied/req':>10} "
+          f"{'inline':>7} {'memory':>11}")
+    for i, (label, nbytes) in enumerate(budgets):
+        for j, kind in enumerate(kinds):
+            s = stats[i * len(kinds) + j]
+            memory = nbytes * (workers if kind == "lru" else 1)
+            row = {"budget": label, "budget_bytes": nbytes,
+                   "budget_pct": 100 * nbytes / working_set, "kind": kind,
+                   "hit_ratio": s.hit_ratio, "byte_hit_ratio": s.byte_hit_ratio,
+                   "copied_bytes_per_request": s.bytes_reinserted / n, "inline": s.inline,
+                   "evictions": s.evictions, "memory_bytes": memory}
+            rows.append(row)
+            print(f"{label:>10} {kind:>13} {s.hit_ratio:9.2%} {s.byte_hit_ratio:9.2%} "
+                  f"{format_size(s.bytes_reinserted / n):>10} {s.inline:7d} {format_size(memory):>11}")
+    return rows
+
+
+def _frontends_table(trace: Trace, routes: list[str] | None, args: argparse.Namespace,
+                     kinds: list[str], budgets: list[tuple[str, int]], shared: list[SimStats],
+                     rows: list[dict[str, Any]]) -> None:
+    """Replay the trace split over --frontends front ends, print shared against separate, and
+    add the separate caches' hit ratio to `rows`."""
+    n = args.frontends
+    frontends = ([route_index(r, n) for r in routes] if routes is not None
+                 else [i % n for i in range(len(trace))])
+    load = np.bincount(frontends, minlength=n)
+    update, done = _progress_bar(len(trace), args.no_progress)
+    try:
+        separate = replay_split(trace, frontends, n, kinds, [b for _, b in budgets],
+                                args.workers, update)
+    finally:
+        done()
+    how = "by the route column" if routes is not None else "in turn"
+    print(f"{n} front ends, requests {how} ({load.min():,}-{load.max():,} each): one shared "
+          f"cache against {n} separate caches of the same total memory")
+    print(f"{'budget':>10} {'kind':>13} {'shared':>9} {'separate':>9} {'points':>7}")
+    for row, one, split in zip(rows, shared, separate):
+        row["frontends"] = n
+        row["separate_hit_ratio"] = split.hit_ratio
+        print(f"{row['budget']:>10} {one.kind:>13} {one.hit_ratio:9.2%} {split.hit_ratio:9.2%} "
+              f"{100 * (one.hit_ratio - split.hit_ratio):+7.2f}")
+
+
+def verify(sample: Trace, kinds: list[str], fractions: list[float],
+           max_segment: int = 32 * 2**20) -> str:
+    """Replay `sample` through the real caches in shared memory (2 readers) and through
+    hitsim at each budget, given as a fraction of the sample's working set (so that the sample
+    fills the cache), sizes divided so that no segment exceeds `max_segment`; say that every
+    request agreed. Raises AssertionError if one did not (a bug: please report it)."""
+    from ..serde.codec import encode
+
+    working_set = working_set_bytes(sample)
+    largest = max(n for _, n in sample)  # every item, and every cache, under max_segment
+    scale = max(1, -(-int(max(fractions) * working_set) // max_segment),
+                -(-largest // max_segment))
+    scaled = [(str(k), max(1, n // scale)) for k, n in sample]
+    serialized = {n: encode(np.zeros(n, np.uint8)).nbytes for _, n in scaled}
+    checked = evictions = 0
+    for fraction in fractions:
+        capacity = max(int(fraction * working_set) // scale, 4096)
+        for kind in kinds:
+            sim = make_sim(kind, capacity, 2)
+            expected = [sim.request(k, serialized[n]) for k, n in scaled]
+            real = real_hits(kind, scaled, capacity, 2)
+            first = next((i for i, (a, b) in enumerate(zip(real, expected)) if a != b), None)
+            if first is not None:
+                raise AssertionError(f"the replay of {kind} at {capacity} bytes differs from the "
+                                     f"real cache at request {first}: please report this")
+            checked += len(scaled)
+            evictions += sim.stats().evictions
+    return (f"verified: the first {len(sample):,} requests (sizes / {scale}, budgets as shares of "
+            f"their working set) hit and miss alike in the real caches and the replay "
+            f"({checked:,} requests, {evictions:,} evictions)")
+
+
+def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind in kinds:
+        sub = [r for r in rows if r["kind"] == kind]
+        ax.plot([r["budget_pct"] for r in sub], [r["hit_ratio"] for r in sub], marker="o",
+                markersize=3, label=kind)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache budget (% of the working set)")
+    ax.set_ylabel("request hit ratio")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,28 @@
+"""A writer's Channel published to other nodes over ZeroMQ: one relay per node writes into
+that node's own store and re-broadcasts the handles locally.
+
+    node.py        Relay (a node's side), the protocol and its scenarios
+    _publisher.py  Publisher (the writer's side)
+    _peer.py       CurveZMQ keys, endpoint checks, the socket thread both sides share
+    _wire.py       the frames and their checked parser
+
+May import: errors, handle, _proc, shm, serde, store, queue.
+"""
+
+from .node import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_PEER_TIMEOUT_S,
+    DEFAULT_WINDOW,
+    CurveKeys,
+    NodeStats,
+    Publisher,
+    PublisherStats,
+    Relay,
+    RelayStats,
+    check_endpoint,
+    generate_keys,
+)
+
+__all__ = ["Publisher", "Relay", "CurveKeys", "PublisherStats", "NodeStats", "RelayStats",
+           "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
+           "DEFAULT_HEARTBEAT_S"]

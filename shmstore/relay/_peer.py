@@ -1,0 +1,227 @@
+"""What both ends of the relay share (relay/node.py has the protocol): CurveZMQ keys, the address
+and argument checks, the defaults, and Peer (the ZeroMQ context, socket and serve thread)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+
+from ..errors import (
+    InvalidArgument,
+    Timeout,
+)
+from ..shm._closeable import Closeable
+
+__all__ = ["CurveKeys", "generate_keys", "check_endpoint", "check_curve", "check_plaintext",
+           "AllowList", "Peer", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S", "DEFAULT_HEARTBEAT_S",
+           "DEFAULT_MAX_NODES", "DEFAULT_ACK_TIMEOUT_S", "POLL_S", "MAX_HELD_IDS", "LINGER_MS"]
+
+log = logging.getLogger("shmstore.relay")
+
+DEFAULT_WINDOW = 64  # messages a node may leave unacknowledged before the Publisher waits
+DEFAULT_PEER_TIMEOUT_S = 3.0  # silence after which a peer counts as gone
+DEFAULT_HEARTBEAT_S = 0.5  # PING interval when nothing else is said
+POLL_S = 0.01  # longest the Publisher waits on its channel before serving the network again
+MAX_HELD_IDS = 1 << 16  # per node; beyond it the oldest beliefs are forgotten (a resend at most)
+DEFAULT_MAX_NODES = 64  # relays one Publisher serves at once; more are refused
+DEFAULT_ACK_TIMEOUT_S = 10.0  # a node that acknowledges nothing for this long while behind is dropped
+LINGER_MS = 1000  # how long closing waits to flush a last END/GONE/BYE
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """A CurveZMQ key pair (z85 bytes); `secret` may be None for a peer's public key only."""
+
+    public: bytes
+    secret: bytes | None = None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CurveKeys:
+        """Read a key file written by `generate_keys` (NAME.key_secret, or NAME.key: public)."""
+        try:
+            public, secret = zmq.auth.load_certificate(os.fspath(path))
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot read CurveZMQ keys from {os.fspath(path)!r}: {exc}; "
+                                  "make them with `shmstore relay keygen DIR NAME`",
+                                  "path", path) from None
+        return cls(public, secret)
+
+
+def generate_keys(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """Write a new key pair: DIR/NAME.key (public, give it to the peer) and DIR/NAME.key_secret
+    (keep it private; mode 0600). Returns both paths."""
+    os.makedirs(directory, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(os.fspath(directory), name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def check_curve(keys: CurveKeys | None, keys_arg: str, partner: Any, partner_arg: str,
+                 partner_what: str) -> None:
+    """CurveZMQ needs this side's key pair (with its secret) and `partner` together, or neither."""
+    if (keys is None) != (partner is None):
+        raise InvalidArgument(f"CurveZMQ needs both {keys_arg} and {partner_arg} ({partner_what}),"
+                              " or neither", partner_arg, partner)
+    if keys is not None and keys.secret is None:
+        raise InvalidArgument(f"{keys_arg} needs the secret key (NAME.key_secret)", keys_arg,
+                              keys.public)
+
+
+def check_plaintext(keys: Any, endpoint: str, allow_plaintext: bool, who: str,
+                    keys_arg: str) -> None:
+    """Refuse plain TCP unless asked for (anyone who reaches the port could join or pose as a
+    peer); warn when it is asked for."""
+    if keys is not None or endpoint.startswith("ipc://"):
+        return
+    if not allow_plaintext:
+        raise InvalidArgument(
+            f"{who} on {endpoint} without CurveZMQ keys: any host that reaches it could "
+            f"{'receive every stored tensor' if who == 'publisher' else 'feed this node data'}. "
+            f"Make keys with `shmstore relay keygen DIR NAME` and pass {keys_arg} (--keys, "
+            "--allow / --server-key), or pass allow_plaintext=True (--insecure) on a trusted "
+            "network", "allow_plaintext", allow_plaintext)
+    log.warning("%s on %s runs WITHOUT encryption or authentication (allow_plaintext): any "
+                "host that reaches it can join; use CurveZMQ keys off a trusted network",
+                who, endpoint)
+
+
+def check_endpoint(endpoint: str, allow_wildcard: bool) -> str:
+    """Return `endpoint` if it is tcp://HOST:PORT (or ipc://PATH) and, unless allowed, names
+    one address rather than every interface."""
+    if type(endpoint) is not str:
+        raise InvalidArgument(f"an endpoint is a str such as 'tcp://10.0.0.1:5555', got "
+                              f"{type(endpoint).__name__}", "endpoint", endpoint)
+    if endpoint.startswith("ipc://") and len(endpoint) > 6:
+        return endpoint
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not (port.isdigit() or port == "*"):
+        raise InvalidArgument(f"endpoint {endpoint!r} is not tcp://HOST:PORT (or ipc://PATH)",
+                              "endpoint", endpoint)
+    if not allow_wildcard and _unspecified(host):
+        raise InvalidArgument(f"endpoint {endpoint!r} listens on every interface; bind the "
+                              "address remote nodes reach (tcp://10.0.0.1:5555), or pass "
+                              "allow_wildcard=True (--allow-wildcard) on a trusted network",
+                              "endpoint", endpoint)
+    return endpoint
+
+
+def _unspecified(host: str) -> bool:
+    """Whether binding `host` listens on every interface: `*`, an empty host, or any spelling
+    of 0.0.0.0 or :: (`0`, `0x0`, `0.0`, `00.0.0.0`, `[::0]`, ...), or a name resolving to one."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_unspecified
+    except ValueError:
+        pass
+    try:  # the forms inet_aton (and so the resolver zmq uses) takes: 0, 0x0, 0.0, 00.0.0.0
+        return socket.inet_aton(host) == bytes(4)
+    except OSError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False  # unresolvable: binding it fails, naming it
+    return any(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_unspecified
+               for info in infos)
+
+
+class AllowList:
+    """ZAP credentials provider: a connecting client's public key must be in the set."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self.keys
+        if not allowed:
+            log.warning("refused a relay with an unknown CurveZMQ key %s", key[:8])
+        return allowed
+
+
+class Peer(Closeable):
+    """The ZeroMQ context, socket and stop flag both ends share; close() stops serve first."""
+
+    _ctx: Any = None
+    _sock: Any = None
+    _thread: threading.Thread | None = None
+    _result: str | BaseException | None = None
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+
+    def start(self) -> threading.Thread:
+        """Run serve() in a daemon thread; close() stops it. Returns the thread."""
+        if self._thread is not None:
+            raise InvalidArgument(f"{type(self).__name__} is already serving", "start", None)
+        thread = threading.Thread(target=self._serve_thread, name=type(self).__name__,
+                                  daemon=True)
+        self._thread = thread
+        thread.start()
+        return thread
+
+    @property
+    def serving(self) -> bool:
+        """serve() runs in the thread start() made (False before start and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _serve_thread(self) -> None:
+        try:
+            self._result = self.serve()
+        except BaseException as exc:  # kept for result(); the thread must not die silently
+            log.exception("%s stopped", type(self).__name__)
+            self._result = exc
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait for a start()ed serve() to end; return why ("end", "gone", "closed") or raise
+        what it raised. Raises Timeout if it is still serving."""
+        thread = self._thread
+        if thread is None:
+            raise InvalidArgument("result() needs start() first", "result", None)
+        thread.join(timeout)
+        if thread.is_alive():
+            raise Timeout(f"{type(self).__name__} still serving after {timeout} s", timeout)
+        if isinstance(self._result, BaseException):
+            raise self._result
+        return str(self._result)
+
+    def serve(self) -> str:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Ask serve() to return (within ~POLL_S); safe from a signal handler or a thread."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop serving, then close the socket, what the subclass owns, and the context;
+        idempotent."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._close_socket()
+        self._close_owned()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _close_owned(self) -> None:
+        """Close what the subclass owns besides the socket (before the context ends)."""
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=LINGER_MS)
+            self._sock = None

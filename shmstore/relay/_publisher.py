@@ -1,0 +1,443 @@
+"""The Publisher: the writer's side of the relay (relay/node.py has the protocol and scenarios)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from .._proc import int_arg, seconds_arg
+from ..errors import (
+    Closed,
+    CorruptObject,
+    InvalidArgument,
+    ProtocolError,
+    StaleHandle,
+    Timeout,
+    WriterGone,
+)
+from ..handle import Handle
+from ..queue.channel import Channel, ChannelReader, RawMessage
+from ..serde.codec import dumps
+from ._peer import (
+    DEFAULT_ACK_TIMEOUT_S,
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_MAX_NODES,
+    DEFAULT_PEER_TIMEOUT_S,
+    DEFAULT_WINDOW,
+    MAX_HELD_IDS,
+    POLL_S,
+    AllowList,
+    CurveKeys,
+    Peer,
+    check_curve,
+    check_endpoint,
+    check_plaintext,
+)
+from ._wire import (
+    ACK,
+    BYE,
+    END,
+    GONE,
+    HELLO,
+    INLINE,
+    LOST,
+    MAX_HEADER_BYTES,
+    NEED,
+    OBJECT,
+    PING,
+    PROTOCOL_VERSION,
+    REF,
+    WELCOME,
+    pack,
+    parse,
+)
+
+__all__ = ["Publisher", "PublisherStats", "NodeStats"]
+
+log = logging.getLogger("shmstore.relay")
+
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStats:
+    """One connected node as the Publisher sees it."""
+
+    name: str
+    acked: int  # messages through this number are acknowledged
+    unacked: int  # messages sent and not yet acknowledged
+    held: int  # objects the Publisher believes the node holds
+    objects_sent: int  # bodies sent (OBJECT)
+    refs_sent: int  # REFs sent instead of a body
+    bytes_sent: int  # every frame to this node, headers included
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStats:
+    """A snapshot of a Publisher."""
+
+    endpoint: str
+    messages: int  # messages read from the channel
+    nodes: tuple[NodeStats, ...]
+    nodes_joined: int  # nodes that joined while none of their identity was connected
+    nodes_dropped: int  # silent for peer_timeout_s, too slow for ZeroMQ's queue, or gone
+    needs_served: int  # bodies sent again on a NEED
+    lost: int  # messages sent as LOST: cleared or damaged before they could be read
+    bad_messages: int  # dropped: not of this protocol, or a NEED for nothing it waits for
+    bytes_sent: int
+    nodes_refused: int = 0  # HELLOs turned away: max_nodes were connected
+
+
+@dataclass
+class _Node:
+    rid: bytes
+    name: str
+    acked: int
+    last_heard: float
+    identity: tuple[str, str | bytes] = ("name", "")  # its public key, or (plain) its name
+    since: int = 0  # its HELLO's connection time: the newest connection of a node stays
+    last_progress: float = 0.0  # when it last acknowledged something, or was caught up
+    answered: set[int] = field(default_factory=set)  # NEEDs answered while unacknowledged
+    held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    objects_sent: int = 0
+    refs_sent: int = 0
+    bytes_sent: int = 0
+
+    def hold(self, object_id: bytes) -> None:
+        self.held[object_id] = None
+        if len(self.held) > MAX_HELD_IDS:
+            self.held.popitem(last=False)
+
+
+class Publisher(Peer):
+    """Forwards every message of one Channel to the relays of other nodes (see relay/node.py's module doc).
+
+    It is reader `reader` of channel `channel` (created with one reader more than the local
+    ones) and binds `bind`. Run `serve()` (blocks until the channel ends, the writer dies, or
+    stop()/close()) or `start()` for a thread. Only its own thread may call serve().
+    """
+
+    _reader: ChannelReader | None = None
+    _auth: Any = None
+
+    def __init__(
+        self,
+        channel: str,
+        reader: int,
+        bind: str,
+        *,
+        server_keys: CurveKeys | None = None,
+        allowed_clients: list[bytes] | None = None,
+        allow_wildcard: bool = False,
+        allow_plaintext: bool = False,
+        window: int = DEFAULT_WINDOW,
+        peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+        max_nodes: int = DEFAULT_MAX_NODES,
+    ) -> None:
+        check_endpoint(bind, allow_wildcard)
+        self.window = int_arg(window, "window", 1, 1 << 16)
+        self.peer_timeout_s = seconds_arg(peer_timeout_s, "peer_timeout_s")
+        self.heartbeat_s = seconds_arg(heartbeat_s, "heartbeat_s")
+        self.ack_timeout_s = seconds_arg(ack_timeout_s, "ack_timeout_s")
+        self.max_nodes = int_arg(max_nodes, "max_nodes", 1, 1 << 16)
+        check_curve(server_keys, "server_keys", allowed_clients, "allowed_clients",
+                     "the public keys of the relays that may connect")
+        check_plaintext(server_keys, bind, allow_plaintext, "publisher",
+                        "server_keys and allowed_clients")
+        self._curve = server_keys is not None
+        super().__init__()
+        try:
+            self._reader = Channel.attach(channel, reader)
+            sock = self._ctx.socket(zmq.ROUTER)
+            self._sock = sock
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
+            # per node: the window's messages, each sent at most twice (once more for a NEED),
+            # and the PINGs and LOSTs between them; never hit by a node that keeps up
+            sock.setsockopt(zmq.SNDHWM, 2 * self.window + 64)
+            sock.setsockopt(zmq.RCVHWM, 10_000)  # relays send small messages: a bound, not a limit
+            # relays send headers only; a larger message disconnects its sender
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES + 1024)
+            if server_keys is not None:
+                self._auth = ThreadAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback(
+                    "*", credentials_provider=AllowList(set(allowed_clients or ())))
+                sock.curve_server = True
+                sock.curve_secretkey = server_keys.secret
+                sock.curve_publickey = server_keys.public
+            sock.bind(bind)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self.close()
+            raise
+        self._nodes: dict[bytes, _Node] = {}
+        self._pending: deque[tuple[int, int, Handle]] = deque()  # (msg_no, handout, handle)
+        # the one copy of each pending message's body that every node's queue shares (the
+        # forward and every NEED answer): at most a window of them, dropped once all have it
+        self._frames: dict[int, zmq.Frame] = {}
+        self._msg_no = 0
+        self._last_ping = 0.0
+        self._joined = self._dropped = self._needs = self._lost = self._bad = self._refused = 0
+        self._bytes_sent = 0
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def nodes_connected(self) -> int:
+        """Distinct relays connected now (WELCOMEd and not dropped; a node on two connections
+        counts once: by its public key with CurveZMQ, else by its name); safe from another
+        thread."""
+        return len({n.identity for n in list(self._nodes.values())})
+
+    def wait_for_nodes(self, n_nodes: int, timeout: float | None = None) -> None:
+        """Block until at least `n_nodes` relays are connected (serve() runs in a thread)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.nodes_connected < n_nodes:
+            if end is not None and time.monotonic() >= end:
+                raise Timeout(f"{self.nodes_connected} of {n_nodes} nodes connected to "
+                              f"{self.endpoint} within {timeout} s", timeout)
+            time.sleep(0.005)
+
+    def stats(self) -> PublisherStats:
+        """A snapshot (cheap; safe from another thread)."""
+        nodes = tuple(NodeStats(n.name, n.acked, self._msg_no - n.acked, len(n.held),
+                                n.objects_sent, n.refs_sent, n.bytes_sent)
+                      for n in list(self._nodes.values()))
+        return PublisherStats(self.endpoint, self._msg_no, nodes, self._joined, self._dropped,
+                              self._needs, self._lost, self._bad, self._bytes_sent,
+                              self._refused)
+
+    def serve(self) -> str:
+        """Forward until the channel ends ("end"), its writer dies ("gone") or stop() ("closed")."""
+        reader = self._reader
+        if reader is None:
+            raise InvalidArgument("the Publisher is closed", "serve", None)
+        while not self._stop.is_set():
+            self._receive()
+            self._heartbeat()
+            self._release()
+            if self._nodes and any(self._msg_no - n.acked >= self.window
+                                   for n in self._nodes.values()):
+                self._sock.poll(int(POLL_S * 1000))  # a slow node: wait for its ACKs
+                continue
+            try:
+                with reader.recv_raw(timeout=POLL_S, keep=True) as raw:
+                    self._forward(raw)
+            except Timeout:
+                continue
+            except (CorruptObject, StaleHandle) as exc:
+                # damaged, or cleared before it was read: a local reader would get this error;
+                # the nodes get LOST for it (they skip it and count it)
+                log.warning("publisher %s: %s", self.endpoint, exc)
+                self._msg_no += 1
+                self._lost += 1
+                self._broadcast([pack(LOST, self._msg_no)])
+            except Closed:
+                self._broadcast([pack(END)])
+                return "end"
+            except WriterGone as exc:
+                self._broadcast([pack(GONE, exc.writer_pid)])
+                return "gone"
+        return "closed"
+
+    def close(self) -> None:
+        """Stop serving, close the socket (flushing a last END/GONE), the authenticator and the
+        channel reader; idempotent. Connected relays notice within peer_timeout_s."""
+        super().close()
+
+    def _close_owned(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _forward(self, raw: RawMessage) -> None:
+        self._msg_no += 1
+        number = self._msg_no
+        if raw.stored is None:
+            self._broadcast([pack(INLINE, number), dumps(raw.value)])
+            return
+        assert raw.handle is not None  # a stored message has one
+        object_id = raw.stored.object_id
+        frame = None
+        for node in list(self._nodes.values()):
+            if object_id in node.held:
+                node.refs_sent += 1
+                self._send(node, [pack(REF, number, object_id)])
+                continue
+            if frame is None:  # one copy for every node, taken while the chunk is pinned
+                frame = self._frames[number] = zmq.Frame(raw.stored.data, copy=True)
+            node.hold(object_id)
+            node.objects_sent += 1
+            self._send(node, [pack(OBJECT, number, object_id), frame])
+        self._pending.append((number, raw.handout, raw.handle))
+
+    def _broadcast(self, frames: list[Any]) -> None:
+        for node in list(self._nodes.values()):
+            self._send(node, frames)
+
+    def _send(self, node: _Node, frames: list[Any]) -> None:
+        try:
+            self._sock.send_multipart([node.rid, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._drop(node, "its ZeroMQ send queue is full")
+            return
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: its connection is gone
+            self._drop(node, f"it is unreachable ({exc})")
+            return
+        nbytes = sum(len(f.buffer) if isinstance(f, zmq.Frame) else len(f) for f in frames)
+        node.bytes_sent += nbytes
+        self._bytes_sent += nbytes
+
+    def _receive(self) -> None:
+        sock = self._sock
+        for _ in range(1000):  # then forward again: a flood of relay messages cannot starve it
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            rid = parts[0].bytes
+            try:
+                kind, fields, _ = parse([p.bytes for p in parts[1:]])
+            except ProtocolError as exc:
+                self._bad += 1
+                log.warning("publisher %s: dropped a message: %s", self.endpoint, exc)
+                continue
+            if kind == HELLO:
+                # with CurveZMQ the node is its public key (ZAP's User-Id), else its name
+                key = parts[1].get("User-Id") if self._curve and len(parts) > 1 else None
+                self._hello(rid, fields, ("key", key) if key else ("name", fields[1]))
+                continue
+            node = self._nodes.get(rid)
+            if node is None:
+                continue  # a peer dropped earlier: it times out and says HELLO again
+            node.last_heard = time.monotonic()
+            if kind == ACK:
+                through, evicted = fields
+                if node.acked < through <= self._msg_no:
+                    node.acked = through
+                    node.last_progress = node.last_heard
+                    node.answered = {n for n in node.answered if n > through}
+                for object_id in evicted:
+                    node.held.pop(object_id, None)
+            elif kind == NEED:
+                self._need(node, fields[0])
+            elif kind == BYE:
+                self._drop(node, "it said BYE")
+            elif kind != PING:
+                self._bad += 1
+                log.warning("publisher %s: node %r sent a publisher's message kind %d",
+                            self.endpoint, node.name, kind)
+
+    def _hello(self, rid: bytes, fields: list[Any], identity: tuple[str, Any]) -> None:
+        version, name, epoch, held, since = fields
+        if version != PROTOCOL_VERSION:
+            self._bad += 1
+            log.warning("publisher %s: node %r speaks protocol %d, this one %d; ignored",
+                        self.endpoint, name, version, PROTOCOL_VERSION)
+            return
+        assert self._reader is not None  # serve() checked
+        same = [n for n in self._nodes.values() if n.identity == identity]
+        if any(n.since > since for n in same):
+            # an older connection's HELLO arriving late: that connection is dead already
+            log.info("publisher %s: node %r: a HELLO of an older connection ignored",
+                     self.endpoint, name)
+            return
+        for n in same:  # the node connected again (a relay restarted or reconnected)
+            if n.rid == rid:
+                self._drop(n, "it said HELLO again")
+            else:  # not a drop: the node stays, on its newer connection
+                del self._nodes[n.rid]
+                log.warning("publisher %s: node %r: its newer connection replaces the older one "
+                            "(if this repeats, two relays use one key or node name)",
+                            self.endpoint, name)
+        # joined: counted once while any connection of this node lives
+        again = bool(same)
+        others = {n.identity for n in self._nodes.values()}
+        if len(others) >= self.max_nodes:
+            self._refused += 1
+            log.warning("publisher %s: node %r refused: %d nodes connected already (max_nodes)",
+                        self.endpoint, name, len(self._nodes))
+            return
+        now = time.monotonic()
+        node = _Node(rid, name, self._msg_no, now, identity, since=since, last_progress=now)
+        if epoch == self._reader.store_epoch:
+            for object_id in held:
+                node.hold(object_id)
+        self._nodes[rid] = node
+        self._joined += not again
+        log.info("publisher %s: node %r joined at message %d, holding %d objects",
+                 self.endpoint, name, self._msg_no + 1, len(node.held))
+        self._send(node, [pack(WELCOME, PROTOCOL_VERSION, self._reader.store_epoch,
+                               self._reader.max_inline_bytes, self._reader.max_object_bytes,
+                               self._msg_no + 1)])
+
+    def _need(self, node: _Node, number: int) -> None:
+        assert self._reader is not None
+        if number in node.answered:
+            self._bad += 1  # asked for twice while unacknowledged: one body per NEED
+            return
+        handle = None
+        if node.acked < number <= self._msg_no:  # else: not one it waits for (LOST)
+            node.answered.add(number)
+            handle = next((h for n, _, h in self._pending if n == number), None)
+        if handle is not None:
+            try:
+                with self._reader.body(handle) as stored:
+                    frame = self._frames.get(number)
+                    if frame is None:  # every node held it when it was forwarded
+                        frame = self._frames[number] = zmq.Frame(stored.data, copy=True)
+                    object_id = stored.object_id
+            except (StaleHandle, CorruptObject) as exc:
+                log.warning("publisher %s: message %d for node %r is gone: %s", self.endpoint,
+                            number, node.name, exc)
+            else:
+                self._needs += 1
+                node.hold(object_id)
+                node.objects_sent += 1
+                self._send(node, [pack(OBJECT, number, object_id), frame])
+                return
+        self._lost += 1
+        self._send(node, [pack(LOST, number)])
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for node in list(self._nodes.values()):
+            if node.acked >= self._msg_no:
+                node.last_progress = now  # caught up: nothing to keep up with
+            if now - node.last_heard > self.peer_timeout_s:
+                self._drop(node, f"silent for {now - node.last_heard:.1f} s")
+            elif now - node.last_progress > self.ack_timeout_s:  # alive, but not keeping up
+                self._drop(node, f"it acknowledged nothing for {now - node.last_progress:.1f} s "
+                           f"with {self._msg_no - node.acked} message(s) outstanding")
+        if now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            self._broadcast([pack(PING)])
+
+    def _drop(self, node: _Node, why: str) -> None:
+        if self._nodes.pop(node.rid, None) is not None:
+            self._dropped += 1
+            log.warning("publisher %s: dropped node %r: %s", self.endpoint, node.name, why)
+
+    def _release(self) -> None:
+        """Give up objects every node has acknowledged (or all, with no node)."""
+        floor = min((n.acked for n in self._nodes.values()), default=self._msg_no)
+        last = 0
+        pending = self._pending
+        while pending and pending[0][0] <= floor:
+            number, last, _ = pending.popleft()
+            self._frames.pop(number, None)
+        if last and self._reader is not None:
+            self._reader.release_through(last)

@@ -1,0 +1,196 @@
+"""Waiting: one deadline type, one doorbell type, one spin-then-sleep loop.
+
+Timeouts have one meaning everywhere in shmstore: `None` waits without limit, `0` checks once
+and does not wait, `t > 0` waits at most t seconds (measured with time.monotonic).
+
+`wait_until(ready, ...)` spins for `spin_s` (yielding the CPU), then sleeps in slices of at most
+`slice_s` until `ready()` is true or the deadline passes. Between slices it calls `check()`,
+which raises when the owner is being closed (CallGuard.check), so a close from another thread
+or a signal handler ends the wait with SegmentClosed. Sleeping is on a Doorbell (a POSIX
+semaphore another process posts) when one is given, else a plain sleep with backoff.
+
+Doorbell handshake (Dekker): the sleeper swaps its `flag` word to 1 with a full barrier, checks
+`ready()` again, then waits; the waker publishes, then (full barrier) swaps the flag to 0 and
+posts only if it was 1. One of the two always sees the other. A post can still arrive late or
+twice; both only cost a spurious wake-up, and every slice ends at `slice_s` anyway.
+
+Signals: a semaphore wait interrupted by a signal whose handler returns (EINTR,
+posix_ipc.SignalError) simply continues with the same deadline; a handler that raises ends the
+wait with its exception, and the flag is reset on the way out.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable
+from typing import Any
+
+import posix_ipc
+
+from .._proc import number_arg
+from ..errors import SegmentNotFound, SegmentPermissionError, ShmSpaceError
+from ._ordering import FULL_FENCE, OrderedWords
+
+__all__ = ["Deadline", "Doorbell", "wait_until", "SLICE_S", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX semaphores (as sem.NAME)
+SLICE_S = 0.05 if FULL_FENCE else 0.005  # longest single sleep: bounds a missed wake-up
+_BACKOFF_S = (0.0002, 0.005)  # first and largest plain sleep when there is no doorbell
+
+
+class Deadline:
+    """When a wait must give up: None = never, 0 = now (check once), t = t seconds from now."""
+
+    __slots__ = ("_end", "timeout_s")
+
+    def __init__(self, timeout: float | None, argument: str = "timeout") -> None:
+        self.timeout_s = number_arg(timeout, argument, allow_none=True)
+        self._end = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+
+    def remaining(self) -> float | None:
+        """Seconds left (>= 0), or None without limit."""
+        if self._end is None:
+            return None
+        return max(0.0, self._end - time.monotonic())
+
+    def expired(self) -> bool:
+        return self._end is not None and time.monotonic() >= self._end
+
+
+class Doorbell:
+    """One named POSIX semaphore that a sleeping side waits on and the other side posts.
+
+    `create` makes it (the owner, who unlinks it on close); `open` attaches to it.
+    """
+
+    _sem: Any = None
+    owner = False
+    _unlinked = False
+
+    def __init__(self, name: str, sem: Any, owner: bool) -> None:
+        self.name = name
+        self._sem = sem
+        self.owner = owner
+
+    @classmethod
+    def create(cls, name: str, mode: int) -> Doorbell:
+        """Create `name` (replacing a stale one: the caller owns the name now) with `mode`."""
+        try:
+            try:
+                sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)
+            except posix_ipc.ExistentialError:
+                posix_ipc.unlink_semaphore(name)  # a dead writer's: share a count with nobody
+                sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ShmSpaceError(
+                    f"cannot create semaphore {name!r}: {SHM_DIR} is full; remove leftover "
+                    "segments (shmstore gc) or give the container more shared memory",
+                    0, None) from exc
+            raise
+        except posix_ipc.PermissionsError as exc:
+            raise SegmentPermissionError(f"cannot create semaphore {name!r}: {exc}",
+                                         name) from None
+        self = cls(name, sem, owner=True)
+        try:
+            # sem_open applies the umask; others need read and write to use it
+            os.chmod(os.path.join(SHM_DIR, "sem." + name.lstrip("/")), stat.S_IMODE(mode))
+        except FileNotFoundError:  # a system that keeps semaphores elsewhere: keep the umask's
+            pass
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @classmethod
+    def open(cls, name: str) -> Doorbell:
+        """Attach to an existing doorbell."""
+        try:
+            return cls(name, posix_ipc.Semaphore(name), owner=False)
+        except posix_ipc.ExistentialError:
+            raise SegmentNotFound(f"semaphore {name!r} does not exist: its queue's writer is gone "
+                                  "or still starting; attach once it has created the queue",
+                                  name) from None
+        except posix_ipc.PermissionsError:
+            raise SegmentPermissionError(
+                f"no permission to open semaphore {name!r}: its writer created it for another "
+                "user; run as the writer's user, or create the queue with a wider mode", name
+            ) from None
+
+    def ring(self) -> None:
+        if self._sem is not None:
+            self._sem.release()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep until posted or `seconds` pass; a signal ends it early (the caller loops)."""
+        try:
+            self._sem.acquire(seconds)
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            pass
+
+    def unlink(self) -> None:
+        """Remove the name (owner only); idempotent. Open handles keep working."""
+        if self.owner and not self._unlinked:
+            self._unlinked = True
+            try:
+                posix_ipc.unlink_semaphore(self.name)
+            except posix_ipc.ExistentialError:
+                pass
+
+    def close(self) -> None:
+        """Close this handle; the owner also unlinks the name. Idempotent."""
+        if self._sem is None:
+            return
+        sem, self._sem = self._sem, None
+        sem.close()
+        self.unlink()
+
+
+def wait_until(
+    ready: Callable[[], bool],
+    deadline: Deadline,
+    *,
+    check: Callable[[], None],
+    spin_s: float = 0.0,
+    bell: Doorbell | None = None,
+    words: OrderedWords | None = None,
+    flag: int = 0,
+) -> bool:
+    """Wait until `ready()`; return False if the deadline passed first.
+
+    `check()` runs before every sleep and may raise (closed). With a `bell`, `words`/`flag` name
+    the sleeper's flag word for the doorbell handshake described in the module docstring.
+    """
+    if ready():
+        return True
+    now = time.monotonic()
+    remaining = deadline.remaining()
+    spin_until = now + (spin_s if remaining is None else min(spin_s, remaining))
+    while now < spin_until:
+        os.sched_yield()
+        if ready():
+            return True
+        now = time.monotonic()
+    pause = _BACKOFF_S[0]
+    while True:
+        check()
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= 0:
+            return ready()
+        slice_s = SLICE_S if remaining is None else min(SLICE_S, remaining)
+        if bell is None or words is None:
+            time.sleep(min(pause, slice_s))
+            pause = min(pause * 2, _BACKOFF_S[1])
+        else:
+            words.exchange(flag, 1)  # "I am asleep", with a full barrier before the re-check
+            try:
+                if ready():
+                    return True
+                bell.wait(slice_s)
+            finally:
+                words.exchange(flag, 0)
+        if ready():
+            return True

@@ -1,0 +1,205 @@
+"""The writer's hand-out accounting: give back, narrow, end, withdraw and hand out again.
+
+HandOuts sits between StoreSpace (room) and StoreWriter (the API); writer.py has the picture
+of hand-outs and reads and the exception-safety rules every method here keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import ReaderIndexError, StaleHandle
+from ..handle import Handle
+from ._layout import META_HANDOUT_SEQ
+from ._space import Entry, StoreSpace, one_thread
+
+__all__ = ["HandOuts"]
+
+
+class HandOuts(StoreSpace):
+    """Hand-outs of live objects, and taking them back; StoreWriter adds puts and lookups."""
+
+    _handout_seq: int
+    _give_backs: int
+
+    @property
+    def handout_seq(self) -> int:
+        """The number of the last hand-out (put or get_cached)."""
+        return self._handout_seq
+
+    @one_thread
+    def give_back(self, handle: Handle, number: int | None = None) -> None:
+        """Take back one hand-out of `handle` that no reader will read (an aborted request):
+        hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
+
+        Raises:
+            StaleHandle: the object is gone, or has no such hand-out left to take back.
+        """
+        self._guard_check()
+        entry = self._handed_out(handle)
+        if number is not None and number not in entry.handouts:
+            raise StaleHandle(f"handle {handle} has no hand-out number {number} to give back in "
+                              f"store {self.name!r}; give each hand-out back at most once",
+                              handle, self.name)
+        self._give_backs += 1
+        if number is None:
+            number = entry.handouts[-1]
+        entry.narrowed.pop(number, None)
+        entry.ended.discard(number)
+        entry.handouts.remove(number)  # last: if this line ran, the give-back is done
+
+    @one_thread
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
+        """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
+        hand-out whose handle goes to some readers only, decided after it was made (the
+        engine a request goes to). A reader left out never pins the object for it.
+
+        Raises:
+            StaleHandle: the object is gone, or has no hand-out `number`.
+            ReaderIndexError: a reader index outside the store's readers.
+        """
+        self._guard_check()
+        entry = self._live_entry(handle)
+        mask = 0
+        for r in readers:
+            if type(r) is not int or not 0 <= r < self.n_readers:
+                raise ReaderIndexError(f"reader {r!r} is not a reader index of store "
+                                       f"{self.name!r} (0..{self.n_readers - 1})", r,
+                                       self.n_readers)
+            mask |= 1 << r
+        if number not in entry.handouts:
+            raise StaleHandle(f"handle {handle} has no hand-out number {number} in store "
+                              f"{self.name!r}", handle, self.name)
+        entry.narrowed[number] = mask
+
+    @one_thread
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
+        """Say that the hand-outs of each (handle, numbers) are over: whoever they were made
+        for will not read them any more (read or not). Once every hand-out of an object is
+        over, the store withdraws it when it needs the space even if readers still owe reads
+        on it (as withdraw() would; a late read fails loudly). Numbers an object does not have
+        are ignored, as are objects that are gone.
+
+        Returns:
+            for each group, whether its object is still live and owed reads by some reader
+            (the hand-outs just ended may be among the unread ones).
+        """
+        self._guard_check()
+        owed = []
+        for handle, numbers in groups:
+            try:
+                entry = self._live_entry(handle)
+            except StaleHandle:
+                owed.append(False)
+                continue
+            made = set(entry.handouts)
+            entry.ended.update(n for n in numbers if n in made)
+            owed.append(any(self._owed(entry, force=False)))
+        return owed
+
+    @one_thread
+    def unread(self, handle: Handle) -> tuple[int, ...]:
+        """Reads each reader still owes on the object of `handle` (all zero once every hand-out
+        has been read or given back). No side effect.
+
+        Raises:
+            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
+        """
+        self._guard_check()
+        return tuple(self._owed(self._live_entry(handle), force=False))
+
+    def withdraw(self, handle: Handle) -> bool:
+        """Drop the object of `handle` now, even though readers still owe reads on it: for
+        hand-outs that will never be read (their requests ended) but that a reader may still
+        hold. Every handle of it becomes stale (a late read raises StaleHandle); its space is
+        reused once the ring reaches it and no reader is inside it. Return False (and do
+        nothing) if the object is gone already.
+        """
+        self._guard_enter()
+        try:
+            try:
+                entry = self._live_entry(handle)
+            except StaleHandle:
+                return False
+            self._withdrawn += 1
+            self._evict(entry)
+            return True
+        finally:
+            self._guard_leave()
+
+    def hand_out(self, handle: Handle) -> Handle:
+        """Hand the object of `handle` out once more (one more read owed by every reader), as
+        get_cached does by key; also for an object clear(keep_handed_out=True) kept for its
+        readers. Not counted as a hit. The new hand-out's number is `handout_seq`.
+
+        Raises:
+            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
+        """
+        done: list[tuple[Entry, int]] = []
+        try:
+            self._guard_enter()
+            try:
+                self._hand_out(self._live_entry(handle), done)
+                return handle
+            finally:
+                self._guard_leave()
+        except BaseException:
+            self._undo(done)
+            raise
+
+    def hand_out_again(self, handle: Handle) -> Handle:
+        """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
+        writer that publishes its hand-outs in order (ChannelWriter.publish) and kept this one
+        a while before sending it (against eviction). Neither a hit nor a give-back.
+
+        Raises:
+            StaleHandle: as give_back.
+        """
+        self._guard_enter()
+        try:
+            entry = self._handed_out(handle)
+            number = self._handout_seq + 1
+            entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
+            self._advance_handouts(number)
+            return entry.handle
+        finally:
+            self._guard_leave()
+
+    def _live_entry(self, handle: Handle) -> Entry:
+        """The live entry of `handle` (indexed or kept by clear for its readers); StaleHandle
+        if none."""
+        self._check_handle(handle)
+        entry = self._by_seq.get(handle.seq)
+        if entry is None or not entry.live or entry.handle != handle:
+            raise StaleHandle(f"handle {handle} names no live object in store {self.name!r}; "
+                              "it was reclaimed or cleared already", handle, self.name)
+        return entry
+
+    def _handed_out(self, handle: Handle) -> Entry:
+        """The live entry of `handle` with a hand-out to take back; StaleHandle if none."""
+        entry = self._live_entry(handle)
+        if not entry.handouts:
+            raise StaleHandle(f"handle {handle} has no hand-out left to give back in store "
+                              f"{self.name!r}; give each hand-out back at most once",
+                              handle, self.name)
+        return entry
+
+    def _hand_out(self, entry: Entry, done: list[tuple[Entry, int]]) -> None:
+        number = self._handout_seq + 1
+        done.append((entry, number))
+        entry.handouts.append(number)
+        self._advance_handouts(number)
+
+    def _advance_handouts(self, number: int) -> None:
+        self._handout_seq = number
+        # Full barrier: a reader attaching now publishes its row, then reads this number; one of
+        # the two sides sees the other (see store.StoreReader attach).
+        self._words.exchange(self._meta + META_HANDOUT_SEQ, number)
+
+    @staticmethod
+    def _undo(done: list[tuple[Entry, int]]) -> None:
+        """Take back hand-outs whose handle never reached the caller."""
+        for entry, number in done:
+            if number in entry.handouts:
+                entry.narrowed.pop(number, None)
+                entry.handouts.remove(number)

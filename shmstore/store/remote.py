@@ -1,0 +1,249 @@
+"""RemoteWriter: a store's writer called from another process through its WriterHost.
+
+host.py has the picture, the framing and the limits; a RemoteWriter offers the writer's calls a
+second API server needs, each one a request and (unless posted) a reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import (
+    Closed,
+    InvalidArgument,
+    ProtocolError,
+    ShmStoreError,
+)
+from ..handle import Handle, check_key
+from ..serde.codec import Encoded, encode
+from ..shm._closeable import Closeable
+from ..shm._wait import Deadline
+from ..shm.ring import ShmRingBuffer
+from ..shm.segment import ALIGN_BYTES
+from .host import (
+    CALL_TIMEOUT_S,
+    CONNECT_TIMEOUT_S,
+    ERRORS,
+    MAX_KEYS,
+    PROTOCOL,
+    handle_from_wire,
+    handle_to_wire,
+    host_address,
+    int_list,
+    peer_uid,
+    recv_frame,
+    send_frame,
+)
+
+__all__ = ["RemoteWriter"]
+
+log = logging.getLogger("shmstore")
+
+
+class RemoteWriter(Closeable):
+    """The writer of store `name`, called from another process of the same user through the
+    writer process's WriterHost. Offers the writer's calls a cache needs (put, get_cached,
+    give_back, hand_out, narrow, end_handouts, unread, withdraw, clear, is_cached, handle_of,
+    object_id); `handout_seq` is the number of the last hand-out this client made. One thread
+    at a time (a lock of the caller's)."""
+
+    _sock: socket.socket | None = None
+    _ring: ShmRingBuffer | None = None
+
+    def __init__(self, name: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.name = name
+        self.handout_seq = 0
+        self._last_id: tuple[str | bytes, bytes | None] | None = None  # (key, its object id)
+        deadline = Deadline(connect_timeout_s)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(host_address(name))
+                break
+            except OSError as exc:
+                sock.close()
+                if deadline.expired():
+                    raise Closed(f"no process serves the writer of store {name!r} (after "
+                                 f"{connect_timeout_s} s: {exc}); start the process that "
+                                 "creates the store first") from None
+                time.sleep(0.05)
+        try:
+            if peer_uid(sock) != os.getuid():
+                raise Closed(f"the host of store {name!r} runs as another user; refusing it")
+            sock.settimeout(CALL_TIMEOUT_S)
+            self._sock = sock
+            protocol, _, n_readers, max_object = self._call("hello")
+            if protocol != PROTOCOL:
+                raise ProtocolError(f"store {name!r} is served with protocol {protocol}, this "
+                                    f"client speaks {PROTOCOL}: run one shmstore version")
+            self.n_readers, self.max_object_bytes = n_readers, max_object
+            self._ring = ShmRingBuffer.attach(name, prefault=False)  # pages as the ring fills
+        except BaseException:
+            self.close()
+            raise
+
+    def _post(self, op: str, *args: Any) -> None:
+        """Send `op` without waiting for it: the host runs it before anything sent later."""
+        sock = self._sock
+        if sock is None:
+            raise Closed(f"the remote writer of store {self.name!r} is closed")
+        try:
+            send_frame(sock, ["post", op, *args])
+        except OSError as exc:
+            self.close()
+            raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
+
+    def _call(self, op: str, *args: Any) -> Any:
+        sock = self._sock
+        if sock is None:
+            raise Closed(f"the remote writer of store {self.name!r} is closed")
+        try:
+            send_frame(sock, [op, *args])
+            reply = recv_frame(sock)
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
+        if reply is None:
+            self.close()
+            raise Closed(f"the host of store {self.name!r} closed the connection")
+        if not isinstance(reply, list) or not reply or reply[0] not in (0, 1):
+            self.close()
+            raise Closed(f"the host of store {self.name!r} sent a malformed reply")
+        if reply[0] == 0 and len(reply) == 2:
+            return reply[1]
+        name, message = (reply + ["", ""])[1:3]
+        make = ERRORS.get(name)
+        raise (make(message) if make else ShmStoreError(f"{name}: {message}"))
+
+    # -- the writer's calls ------------------------------------------------------------------
+
+    def is_cached(self, key: str | bytes) -> bool:
+        return bool(self._call("is_cached", key))
+
+    def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
+        """is_cached for each of `keys`, in one round trip per MAX_KEYS keys."""
+        keys = list(keys)
+        return [bool(v) for i in range(0, len(keys), MAX_KEYS)
+                for v in self._call("cached", keys[i:i + MAX_KEYS])]
+
+    def __len__(self) -> int:
+        return int(self._call("len"))
+
+    def get_cached(self, key: str | bytes) -> Handle:
+        handle, self.handout_seq, object_id = self._call("get_cached", key)
+        self._last_id = (key, object_id)
+        return handle_from_wire(handle)
+
+    def handle_of(self, key: str | bytes) -> Handle | None:
+        found = self._call("handle_of", key)
+        return None if found is None else handle_from_wire(found)
+
+    def object_id(self, key: str | bytes) -> bytes | None:
+        """The object id of `key`: that of the last get_cached or put if it was `key` (no
+        round trip), else the host's."""
+        if self._last_id is not None and self._last_id[0] == key:
+            return self._last_id[1]
+        found = self._call("object_id", key)
+        return None if found is None else bytes(found)
+
+    def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
+        """get_cached for each of `keys` that is cached, in one round trip: (its handle, the
+        hand-out's number), or None for a key that is not cached."""
+        keys = list(keys)
+        if len(keys) > MAX_KEYS:
+            raise InvalidArgument(f"hand_out_cached takes at most {MAX_KEYS} keys at once, got "
+                                  f"{len(keys)}: split them", "keys", len(keys))
+        for key in keys:
+            check_key(key)
+        found = self._call("hand_out_cached", keys)
+        if not isinstance(found, list) or len(found) != len(keys):
+            self.close()
+            raise Closed(f"the host of store {self.name!r} sent a malformed reply")
+        out: list[tuple[Handle, int] | None] = []
+        for key, f in zip(keys, found, strict=True):
+            if f is None:
+                out.append(None)
+                continue
+            handle, number, object_id = f
+            out.append((handle_from_wire(handle), int_list([number], "number")[0]))
+            self.handout_seq, self._last_id = number, (key, object_id)
+        return out
+
+    def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
+        """As StoreWriter.give_back. wait=False sends it without waiting: the host gives it
+        back before any later call of this client, and logs (does not raise) StaleHandle."""
+        if wait:
+            self._call("give_back", handle_to_wire(handle), number)
+        else:
+            self._post("give_back", handle_to_wire(handle), number)
+
+    def hand_out(self, handle: Handle) -> Handle:
+        self.handout_seq = self._call("hand_out", handle_to_wire(handle))
+        return handle
+
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
+               wait: bool = True) -> None:
+        """As StoreWriter.narrow; wait=False as in give_back (narrowing late is safe: until
+        then every reader owes the hand-out)."""
+        if wait:
+            self._call("narrow", handle_to_wire(handle), number, list(readers))
+        else:
+            self._post("narrow", handle_to_wire(handle), number, list(readers))
+
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
+        return [bool(v) for v in
+                self._call("end_handouts", [[handle_to_wire(h), list(n)] for h, n in groups])]
+
+    def unread(self, handle: Handle) -> tuple[int, ...]:
+        return tuple(self._call("unread", handle_to_wire(handle)))
+
+    def withdraw(self, handle: Handle) -> bool:
+        return bool(self._call("withdraw", handle_to_wire(handle)))
+
+    def clear(self, *, keep_handed_out: bool = False) -> None:
+        self._last_id = None
+        self._call("clear", keep_handed_out)
+
+    def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
+        """Store `obj` as StoreWriter.put does (timeout 0 only: the host never waits)."""
+        if timeout != 0:
+            raise InvalidArgument("a remote put does not wait: pass timeout=0", "timeout",
+                                  timeout)
+        check_key(key)
+        enc: Encoded = encode(obj)
+        loan, offset = self._call("begin", key, enc.nbytes, enc.structure_crc)
+        ring = self._ring
+        try:
+            if ring is None:
+                raise Closed(f"the remote writer of store {self.name!r} is closed")
+            buf = ring.segment.buf
+            if not (ALIGN_BYTES <= offset and offset + enc.nbytes <= len(buf)):
+                raise ProtocolError(f"host lent bytes {offset}..{offset + enc.nbytes} outside "
+                                    f"the store's {len(buf)}")
+            enc.write_into(buf[offset:offset + enc.nbytes])
+        except BaseException:
+            with contextlib.suppress(ShmStoreError):
+                self._call("abandon", loan)
+            raise
+        handle, self.handout_seq, object_id = self._call("commit", loan)
+        self._last_id = (key, object_id)
+        return handle_from_wire(handle)
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        """Disconnect and unmap (the host gives back any chunk lent and not committed)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()

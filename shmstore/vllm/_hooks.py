@@ -1,0 +1,178 @@
+"""Hand-outs follow requests: the hooks the plugin puts into vLLM's API process and workers."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import weakref
+from typing import Any
+
+from ._items import handout_number
+from ._receiver import ShmstoreReceiverCache
+from ._requests import RequestLedger, numbers_in
+from ._sender import LEASE_ENV, SENDERS
+
+__all__ = ["install_request_hooks"]
+
+log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
+
+
+class _Rendered:
+    """The hand-outs rendered in one task of the OpenAI server (a request's), in its context."""
+
+    __slots__ = ("__weakref__", "numbers")
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
+
+
+def _ledgers() -> list[RequestLedger]:
+    """The request ledgers of this process's senders (a snapshot: hooks run on other threads)."""
+    return [sender.ledger for sender in list(SENDERS)]
+
+
+def _render_ended(numbers: list[int]) -> None:
+    for ledger in _ledgers():
+        ledger.render_ended(numbers)
+
+
+_RENDERED: contextvars.ContextVar[_Rendered | None] = contextvars.ContextVar(
+    "shmstore_rendered", default=None)
+
+
+def _feature_numbers(request: Any) -> list[int]:
+    return [n for f in (getattr(request, "mm_features", None) or [])
+            if (n := handout_number(getattr(f, "data", None))) is not None]
+
+
+def install_request_hooks() -> None:
+    """Wrap the vLLM methods where a request is added, refused, finished or aborted (API
+    process) and where a worker resolves a new request's items; a method this vLLM lacks is
+    named in a warning, and the lease settles what it would have."""
+    import functools
+    import importlib
+
+    def add_request(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request, *args, **kwargs)
+            numbers = _feature_numbers(request)
+            if numbers:
+                for ledger in _ledgers():
+                    ledger.request_added(request.request_id, numbers)
+            return result
+        return wrapper
+
+    def finish_request(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, req_state, *args, **kwargs)
+            for ledger in _ledgers():
+                ledger.request_ended(req_state.request_id, aborted=False)
+            return result
+        return wrapper
+
+    def abort_requests(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            aborted = original(self, *args, **kwargs)
+            for ledger in _ledgers():
+                for request_id in aborted or ():
+                    ledger.request_ended(request_id, aborted=True)
+            return aborted
+        return wrapper
+
+    def process_inputs(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, request_id: Any, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(self, request_id, prompt, *args, **kwargs)
+            except BaseException:
+                ledgers = _ledgers()
+                numbers = numbers_in(prompt, handout_number) if ledgers else []
+                for ledger in ledgers:
+                    ledger.refused(numbers)
+                raise
+        return wrapper
+
+    def apply_mm_cache(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, scheduler_output: Any) -> Any:
+            cache = getattr(self, "mm_receiver_cache", None)
+            if not isinstance(cache, ShmstoreReceiverCache):
+                return original(self, scheduler_output)
+            for req_data in scheduler_output.scheduled_new_reqs:
+                req_data.mm_features = cache.features_of_request(req_data.req_id,
+                                                                 req_data.mm_features)
+            return None
+        return wrapper
+
+    def render_async(original: Any) -> Any:
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # the list lives as long as the server's task for this request (its context):
+            # what it lists and no request claimed by then was never sent
+            rendered = _Rendered()
+            weakref.finalize(rendered, _render_ended, rendered.numbers)
+            _RENDERED.set(rendered)
+            try:
+                return await original(*args, **kwargs)
+            except BaseException:  # refused while rendering: never sent
+                for ledger in _ledgers():
+                    ledger.refused(rendered.numbers)
+                rendered.numbers.clear()
+                raise
+        return wrapper
+
+    def process_tokens_async(original: Any) -> Any:
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            engine_input = await original(*args, **kwargs)
+            rendered = _RENDERED.get()
+            if rendered is not None and SENDERS:
+                rendered.numbers.extend(numbers_in(engine_input, handout_number))
+            return engine_input
+        return wrapper
+
+    def engine_for_request(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            engine = original(self, request, *args, **kwargs)
+            for sender in list(SENDERS):
+                sender.routed(request.request_id, int.from_bytes(engine, "little"))
+            return engine
+        return wrapper
+
+    hooks = (("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", add_request),
+             # DP: the client picks the engine after rendering; only its workers owe the reads
+             ("vllm.v1.engine.core_client", "DPAsyncMPClient", "get_core_engine_for_request",
+              engine_for_request),
+             ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request",
+              engine_for_request),
+             # the OpenAI server renders first: a request refused while rendering (a prompt
+             # over max_model_len once its image tokens count) never reaches process_inputs
+             ("vllm.renderers.base", "BaseRenderer", "render_chat_async", render_async),
+             ("vllm.renderers.base", "BaseRenderer", "render_cmpl_async", render_async),
+             ("vllm.renderers.base", "BaseRenderer", "_process_tokens_async",
+              process_tokens_async),
+             ("vllm.v1.engine.output_processor", "OutputProcessor", "_finish_request",
+              finish_request),
+             ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests",
+              abort_requests),
+             ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs",
+              process_inputs),
+             ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "_apply_mm_cache",
+              apply_mm_cache))
+    for module_name, class_name, method, wrap in hooks:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            original = getattr(cls, method)
+        except (ImportError, AttributeError) as exc:
+            log.warning("shmstore vLLM plugin: no %s.%s.%s in this vLLM (%s); hand-outs it "
+                        "would settle are settled by the lease (%s)", module_name, class_name,
+                        method, exc, LEASE_ENV)
+            continue
+        if not getattr(original, "_shmstore_hook", False):
+            wrapped = wrap(original)
+            wrapped._shmstore_hook = True
+            setattr(cls, method, wrapped)

@@ -1,0 +1,402 @@
+"""The plugin's sender cache, in each vLLM API process.
+
+Sender (API process, "P0"), one per engine::
+
+    is_cached_item(h)          store.is_cached: no side effect
+    touch_sender_cache_item(h) a cached item is handed out now and the hand-out kept: it cannot
+                               be evicted until get_and_update_item uses it or
+                               release_sender_touches gives it back
+    get_and_update_item        hit: (handle item, P0's prompt updates); miss: put the item's
+                               tensors, return the handle item; an item above
+                               mm_shm_cache_max_object_size_mb or a full store: the item itself
+                               (inline, counted), never dropped, never an error
+    validate_input_item        a handle item from a client must be this store's current handle
+                               for that hash (ValueError otherwise)
+    clear_cache                store.clear(): every earlier handle is stale
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.multimodal.cache.base import (
+    BaseMultiModalProcessorCache,
+    MultiModalCacheMissError,
+)
+from vllm.utils.cache import CacheInfo
+
+from .._proc import env_seconds
+from ..errors import (
+    InvalidArgument,
+    KeyExists,
+    KeyNotCached,
+    ObjectTooLarge,
+    StaleHandle,
+    StoreFull,
+    Timeout,
+)
+from ..handle import Handle
+from ..store.host import MAX_KEYS, WriterHost
+from ..store.object_store import ObjectStore, StoreWriter
+from ..store.policy import DEFAULT_POLICY
+from ..store.remote import RemoteWriter
+from ._config import engines, settings
+from ._env import POLICY_ENV
+from ._items import (
+    handle_from_item,
+    handle_item,
+    item_to_value,
+    object_id_from_item,
+)
+from ._nodes import HeadPublisher, node_layout
+from ._requests import RequestLedger
+
+__all__ = ["ShmstoreSenderCache", "SENDERS", "SETTLE_ENV", "LEASE_ENV"]
+
+log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
+
+SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread hand-outs go
+LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
+DEFAULT_SETTLE_S = 10.0  # covers the steps the engine may still run with an aborted request
+DEFAULT_LEASE_S = 60.0  # rendering to add_request takes milliseconds; this is the backstop
+PRUNE_UPDATES = 64  # prompt updates kept beyond twice those of cached items before a prune
+SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
+
+
+class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
+    """vLLM's P0 cache, backed by one shmstore ObjectStore (this process writes it).
+
+    Its hand-outs follow vLLM's requests (vllm/_requests.py): the hooks `install()` puts into
+    vLLM's API process tell `ledger` when a request is added, refused or ends."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__()
+        name, capacity, max_object = settings(vllm_config)
+        nodes, _, per_engine = node_layout(vllm_config)
+        self.engines = engines(vllm_config)
+        self.readers_per_engine = per_engine
+        n_readers = self.engines * per_engine
+        parallel = vllm_config.parallel_config
+        api_servers = int(getattr(parallel, "_api_process_count", 1))
+        api_rank = int(getattr(parallel, "_api_process_rank", 0))
+        policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
+        settle_s = env_seconds(SETTLE_ENV, DEFAULT_SETTLE_S)
+        lease_s = env_seconds(LEASE_ENV, DEFAULT_LEASE_S)
+
+        def make(create: Any) -> Any:
+            try:
+                return create(capacity_bytes=capacity, max_object_bytes=max_object, policy=policy)
+            except InvalidArgument as exc:
+                if exc.argument != "max_object_bytes":
+                    raise
+                # the limit is about the whole cache: what fits
+                return create(capacity_bytes=capacity, policy=policy)
+
+        self._head: HeadPublisher | None = None
+        self._host: WriterHost | None = None
+        self._store: StoreWriter | RemoteWriter
+        if nodes > 1:
+            self._head = HeadPublisher(make, name, n_readers, nodes - 1)
+            self._store = self._head.channel.store
+        elif api_servers > 1 and api_rank > 0:  # API server 0 writes; this one through it
+            self._store = RemoteWriter(name)
+        else:
+            # pages are taken as the ring fills, not all at start (vLLM's default capacity is
+            # 4 GiB; a server that sees few images should not hold all of it)
+            self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers,
+                                                               prefault=False, **kw))
+        self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
+        self._prune_at = PRUNE_UPDATES
+        self._touched: dict[str, tuple[Handle, int]] = {}  # kept hand-outs (and their numbers)
+        self._hits = self._total = 0
+        self._last = CacheInfo(hits=0, total=0)
+        self.ledger = RequestLedger(self._store, settle_s, lease_s, self._is_touched)
+        self._lock = self.ledger.lock
+        if api_servers > 1 and isinstance(self._store, StoreWriter):
+            try:
+                self._host = WriterHost(self._store, self._lock)
+            except BaseException:
+                self._store.close()
+                raise
+        self.segment, self.api_server = name, api_rank
+        self.items = dict.fromkeys(("hit", "shared", "stored", "inline"), 0)
+        self._unregister_metrics = _export_metrics(self)
+        SENDERS.append(self)
+        role = ("writes it" if isinstance(self._store, StoreWriter) else
+                "writes it through API server 0")
+        log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
+                 "layout: %d API server(s) (this is %d, %s), %d engine(s) x %d worker(s) = %d "
+                 "reader(s)%s", name, capacity, policy, api_servers, api_rank, role,
+                 self.engines, per_engine, n_readers,
+                 "" if self._head is None else " on this node and the relay publisher")
+
+    @property
+    def inline_fallbacks(self) -> int:
+        """Items sent inline (too large, store full, or a node's relay not connected)."""
+        return self.items["inline"]
+
+    @property
+    def store(self) -> StoreWriter | RemoteWriter:
+        return self._store
+
+    def routed(self, request_id: str, engine: int) -> None:
+        """The DP client sends `request_id` to engine `engine` (its DP rank): its hand-outs are
+        owed by that engine's workers only."""
+        if self.engines > 1:
+            first = engine % self.engines * self.readers_per_engine
+            self.ledger.routed(request_id, range(first, first + self.readers_per_engine))
+
+    @property
+    def publisher(self) -> Any:
+        """The relay Publisher of a TP group across nodes (shmstore.relay.node.Publisher), else None."""
+        return None if self._head is None else self._head.publisher
+
+    def _is_touched(self, handle: Handle) -> bool:
+        return any(kept == handle for kept, _ in self._touched.values())
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        # a hit needs both the object and P0's prompt updates
+        with self._lock:
+            return mm_hash in self._updates and self._store.is_cached(mm_hash)
+
+    def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        """vLLM asks this before processing a request's misses, and touches its hits after:
+        take the hits' hand-outs now, in one call (one round trip through another API
+        server's host), so they are pinned from here on and the touches cost nothing. Hand-outs
+        a request never uses (its processing failed) go back at the next release."""
+        with self._lock:
+            want = list(dict.fromkeys(h for h in mm_hashes
+                                      if h in self._updates and h not in self._touched))
+            if want:
+                store = self._store
+                if isinstance(store, RemoteWriter):
+                    found = [f for i in range(0, len(want), MAX_KEYS)
+                             for f in store.hand_out_cached(want[i:i + MAX_KEYS])]
+                else:
+                    found = [self._hand_out_one(h) for h in want]
+                for mm_hash, hit in zip(want, found, strict=True):
+                    if hit is not None:
+                        self._touched[mm_hash] = hit
+            return [h in self._touched for h in mm_hashes]
+
+    def _hand_out_one(self, mm_hash: str) -> tuple[Handle, int] | None:
+        try:
+            return self._store.get_cached(mm_hash), self._store.handout_seq
+        except KeyNotCached:
+            return None
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        with self._lock:  # is_cached took the hits' hand-outs: this finds them there
+            if mm_hash not in self._touched and mm_hash in self._updates:
+                hit = self._hand_out_one(mm_hash)
+                if hit is not None:
+                    self._touched[mm_hash] = hit
+
+    def release_sender_touches(self) -> None:
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            for handle, _ in touched.values():
+                try:
+                    self._store.give_back(handle)
+                except StaleHandle:
+                    pass  # cleared meanwhile: nothing to give back
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+        with self._lock:
+            return self._get_and_update_item(mm_item, mm_hash)
+
+    def _get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+        self._total += 1
+        kept = self._touched.pop(mm_hash, None)
+        handle = number = None
+        if kept is not None:
+            handle, number = kept
+            if self._head is not None:
+                # published hand-outs go out in the order they are made: renew the kept one
+                handle = self._head.channel.store.hand_out_again(handle)
+                number = self._store.handout_seq
+        if handle is None and self.is_cached_item(mm_hash):
+            handle, number = self._store.get_cached(mm_hash), self._store.handout_seq
+        if handle is not None and number is not None:
+            self._hits += 1
+            self.items["hit"] += 1
+            out = self._hand_out(handle, number, mm_item, mm_hash)
+            return (mm_item if out is None else out), self._updates[mm_hash]
+        if mm_item is None:
+            raise MultiModalCacheMissError([mm_hash])
+        item, prompt_updates = mm_item
+        try:
+            handle = self._put(mm_hash, item)
+        except KeyExists:  # stored (by another API server), but not its prompt updates here
+            try:
+                handle = self._store.get_cached(mm_hash)
+            except KeyNotCached:  # evicted in between: not worth a second try
+                self.items["inline"] += 1
+                return mm_item  # type: ignore[no-any-return]
+            self.items["shared"] += 1
+        else:
+            if handle is None:
+                return mm_item  # type: ignore[no-any-return]
+            self.items["stored"] += 1
+        number = self._store.handout_seq
+        if len(self._updates) >= self._prune_at:  # drop the updates of items gone from the store
+            keys = list(self._updates)
+            cached = (self._store.cached(keys) if isinstance(self._store, RemoteWriter)
+                      else [self._store.is_cached(k) for k in keys])
+            self._updates = {k: self._updates[k] for k, c in zip(keys, cached, strict=True) if c}
+            self._prune_at = 2 * len(self._updates) + PRUNE_UPDATES
+        self._updates[mm_hash] = prompt_updates
+        out = self._hand_out(handle, number, mm_item, mm_hash)
+        return (mm_item if out is None else (out, prompt_updates))
+
+    def _put(self, mm_hash: str, item: Any) -> Handle | None:
+        """Store a miss; None: send it inline (too large, or the store is full even after
+        withdrawing what only ended requests held)."""
+        value = item_to_value(item)
+        for attempt in range(2):
+            try:
+                return self._store.put(mm_hash, value, timeout=0)
+            except StoreFull as exc:
+                if attempt == 0 and self.ledger.settle(full=True):
+                    continue
+                why: Exception = exc
+            except ObjectTooLarge as exc:
+                why = exc
+            self.items["inline"] += 1
+            log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
+            return None
+        return None  # not reached: the loop returns on its last attempt
+
+    def _hand_out(self, handle: Handle, number: int, mm_item: Any, mm_hash: str) -> Any:
+        """The handle item for hand-out `number` just made; on a TP group across nodes, also
+        sent to the other nodes. None: give the data inline instead (a node's relay is not
+        connected, or too slow to take it); the hand-out is given back."""
+        head = self._head
+        if head is not None:
+            why = "" if head.ready() else "a node's relay is not connected"
+            if not why:
+                try:
+                    head.publish(handle)
+                except Timeout:  # given back by publish
+                    why = "the relays did not take it in time"
+            else:
+                self._store.give_back(handle)
+            if why:
+                if mm_item is None:  # a hit without data: nothing to send inline
+                    log.warning("shmstore: item %s cannot reach every node (%s)", mm_hash, why)
+                    raise MultiModalCacheMissError([mm_hash])
+                self.items["inline"] += 1
+                log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
+                return None
+        object_id = self._store.object_id(mm_hash)
+        if object_id is None:  # not reached: a hand-out just made is of a cached key
+            self._store.give_back(handle)
+            raise MultiModalCacheMissError([mm_hash])
+        self.ledger.handed_out(number, handle, mm_hash)
+        return handle_item(handle, object_id, number)
+
+    def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
+        handle = handle_from_item(mm_item)
+        if handle is None:
+            return
+        with self._lock:
+            issued = (handle == self._store.handle_of(mm_hash)
+                      and object_id_from_item(mm_item) == self._store.object_id(mm_hash))
+        if not issued:
+            raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
+                             "server did not issue for it (forged, stale or from another "
+                             "server); send the data instead")
+
+    def invalidate(self, mm_hash: str) -> None:
+        with self._lock:
+            if not self._store.is_cached(mm_hash):
+                self._updates.pop(mm_hash, None)
+
+    def clear_cache(self) -> None:
+        """vLLM's reset_mm_cache: new requests find nothing; the hand-outs of requests in
+        flight stay readable until their workers have read them."""
+        with self._lock:
+            self.release_sender_touches()
+            self._store.clear(keep_handed_out=True)
+            self.ledger.forget()
+            self._updates.clear()
+            self._hits = self._total = 0
+            self._last = CacheInfo(hits=0, total=0)
+
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(hits=self._hits, total=self._total)
+        if delta:
+            info, self._last = info - self._last, info
+        return info
+
+    def close(self) -> None:
+        self._unregister_metrics()
+        self.ledger.close()
+        with self._lock:
+            if self in SENDERS:
+                SENDERS.remove(self)
+            if not self._store.closed:
+                self.release_sender_touches()
+            if self._head is not None:
+                self._head.close()
+            if self._host is not None:
+                self._host.close()
+            self._store.close()
+
+
+
+class _SenderCollector:
+    """One API server's own counters (prometheus_client collector), labelled by segment and
+    api_server: items by outcome, inline fallbacks, hand-outs settled unread by reason."""
+
+    def __init__(self, sender: ShmstoreSenderCache) -> None:
+        self._sender = sender
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        sender = self._sender
+        labels = [sender.segment, str(sender.api_server)]
+        with sender.ledger.lock:
+            items, settled = dict(sender.items), dict(sender.ledger.settled)
+        for name, doc, label, values in (
+                ("shmstore_vllm_items", "Items by outcome: hit (stored, prompt updates here), "
+                 "shared (processed here, stored already: no second copy), stored, inline",
+                 "outcome", items),
+                ("shmstore_vllm_settled", "Hand-outs settled without being read, by reason",
+                 "reason", settled)):
+            family = CounterMetricFamily(name, doc, labels=["segment", "api_server", label])
+            for key, count in values.items():
+                family.add_metric([*labels, key], count)
+            yield family
+        family = CounterMetricFamily("shmstore_inline_fallbacks",
+                                     "Values sent inline because too large or store full",
+                                     labels=["segment", "api_server"])
+        family.add_metric(labels, items["inline"])
+        yield family
+
+
+def _export_metrics(sender: ShmstoreSenderCache) -> Any:
+    """shmstore_* metrics for vLLM's /metrics: the store's (from the API server that writes
+    it) and each API server's own. With several API servers vLLM serves /metrics from
+    prometheus_client's multiprocess files: the values are mirrored into them."""
+    try:
+        from ..metrics import StoreCollector, mirror_to_multiprocess, register_collector
+    except ImportError:
+        return lambda: None
+    sources: list[Any] = [_SenderCollector(sender)]
+    store = sender.store
+    if isinstance(store, StoreWriter):
+        sources.append(StoreCollector(store, publisher=sender.publisher, lock=sender.ledger.lock))
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        stops = [mirror_to_multiprocess(source) for source in sources]
+    else:
+        stops = [register_collector(source) for source in sources]
+
+    def stop() -> None:
+        for each in stops:
+            each()
+    return stop

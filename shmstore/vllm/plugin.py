@@ -1,0 +1,46 @@
+"""vLLM plugin: shmstore serves vLLM's `shm` multimodal processor cache.
+
+Registered as the `vllm.general_plugins` entry point `shmstore` (see pyproject.toml). vLLM calls
+`register()` in every process it starts (API server, engine core, each worker, sometimes a model
+inspection subprocess), so importing this module does nothing and imports nothing heavy; the
+work happens in `register()`, once per process.
+
+With `mm_processor_cache_type="shm"` (vLLM's `--mm-processor-cache-type shm`), the sender cache
+(API process) and each worker's receiver cache become shmstore's (`_sender.py`, `_receiver.py`). Every other
+cache type is left to vLLM. Environment:
+
+    SHMSTORE_VLLM=0 (false, off, no)    turn the plugin off: vLLM's own shm cache comes back;
+                                        1, true, on, yes or unset: on; anything else is refused
+    VLLM_OBJECT_STORAGE_SHM_POLICY      fifo | reinsert | freq (default freq): the store's policy
+    VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME vLLM's: the shared-memory name (kept)
+
+vLLM's own settings keep their meaning: `mm_processor_cache_gb` is the store's capacity,
+`mm_shm_cache_max_object_size_mb` its largest object.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register", "ENABLE_ENV", "POLICY_ENV"]
+
+from ._env import ENABLE_ENV, POLICY_ENV
+
+_registered = False
+
+
+def enabled() -> bool:
+    """Whether SHMSTORE_VLLM leaves the plugin on (unset: on); InvalidArgument for a value
+    that is not a switch."""
+    from .._proc import env_switch
+
+    return env_switch(ENABLE_ENV, True)
+
+
+def register() -> None:
+    """vLLM's entry point: route the `shm` processor cache to shmstore (idempotent)."""
+    global _registered
+    if not enabled() or _registered:
+        return
+    from ._install import install
+
+    install()
+    _registered = True

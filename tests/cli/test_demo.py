@@ -1,0 +1,77 @@
+"""The demo end to end for every cache kind, its pieces, and clean-up on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from shmstore.cache.caches import CACHE_KINDS
+from shmstore.cli.demo import CLIP_MEAN, CLIP_STD, CROP, n_tiles, preprocess_numpy, request_stream
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def shm_entries() -> set[str]:
+    return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.mp-")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+def test_demo_end_to_end(kind: str) -> None:
+    before = shm_entries()
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstore", "demo", "--cache", kind, "--requests", "40",
+         "--images", "12", "--cache-gb", "0.03", "--no-progress"],
+        capture_output=True, text=True, timeout=140, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "verification                 OK: worker 0 40/40, worker 1 40/40" in out.stdout
+    assert "hit ratio" in out.stdout and "requests/s" in out.stdout
+    assert shm_entries() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_cleans_up_when_interrupted(sig: signal.Signals) -> None:
+    before = shm_entries()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmstore", "demo", "--requests", "100000", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("shmstore-demo" in e for e in shm_entries()):
+        time.sleep(0.1)
+    time.sleep(2)  # workers attached, requests flowing
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "cleaned up" in err
+    time.sleep(0.5)
+    assert shm_entries() <= before
+
+
+def test_preprocess_matches_clip_normalisation() -> None:
+    gray = Image.new("RGB", (500, 400), (128, 128, 128))
+    pixels = preprocess_numpy(gray)
+    assert pixels.dtype == np.float32 and pixels.shape == (n_tiles(gray), 3, CROP, CROP)
+    expected = (128 / 255 - CLIP_MEAN) / CLIP_STD
+    assert np.allclose(pixels[0, :, 100, 100], expected, atol=1e-5)
+
+
+def test_tiles_grow_with_the_image() -> None:
+    assert n_tiles(Image.new("RGB", (336, 336))) == 1
+    assert n_tiles(Image.new("RGB", (1400, 1000))) == 5
+
+
+def test_request_stream_is_reproducible_and_recurring() -> None:
+    a, b = request_stream(300, 50, seed=3), request_stream(300, 50, seed=3)
+    assert a == b and len(a) == 300
+    assert len(set(a)) < 200  # images recur
+    assert any(i >= 50 for i in a)  # and some are seen once

@@ -1,0 +1,217 @@
+"""`shmstore hitrate`: every trace format, the outputs, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmstore.cache.hitsim import SIM_KINDS, replay, replay_split, route_index
+from shmstore.cli._traces import ORACLE_GENERAL
+from shmstore.cli.hitrate import TraceError, parse_budgets, read_trace
+
+TRACE = [(f"img-{k}", 1000 + 37 * (k % 11)) for k in
+         (np.random.default_rng(3).zipf(1.3, 3000) % 400)]
+
+
+def hitrate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shmstore", "hitrate", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_csv_with_header_replays_verifies_and_writes_csv_and_png(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,bytes\n" + "".join(f"{i},{k},{n}\n"
+                                                 for i, (k, n) in enumerate(TRACE)))
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "400", "--workers", "4",
+                   "--budgets", "5%,20%", "--target", "0.5")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "3,000 requests" in out and "verified: the first 400 requests" in out
+    assert "recommended: cache kind" in out
+    rows = list(csv.DictReader(open(tmp_path / "hitrate.csv")))
+    assert [r["kind"] for r in rows] == list(SIM_KINDS) * 2
+    expected = replay(TRACE, SIM_KINDS, [int(p * sum(dict(TRACE).values()) / 100)
+                                         for p in (5, 20)], 4)
+    assert [float(r["hit_ratio"]) for r in rows] == pytest.approx([s.hit_ratio for s in expected])
+    lru = next(r for r in rows if r["kind"] == "lru")
+    assert int(lru["memory_bytes"]) == 4 * int(lru["budget_bytes"])  # a mirror per worker
+    assert (tmp_path / "hitrate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_libcachesim_csv_columns_and_oracle_general_read_the_same_requests(tmp_path: Path) -> None:
+    ids = {k: i + 1 for i, k in enumerate(dict.fromkeys(k for k, _ in TRACE))}
+    lcs = tmp_path / "lcs.csv"  # libCacheSim style: no header, other order, other delimiter
+    lcs.write_text("".join(f"{n};{i};{ids[k]}\n" for i, (k, n) in enumerate(TRACE)))
+    from_csv = read_trace(lcs, columns="obj-size-col=1,time-col=2,obj-id-col=3")
+    assert from_csv == [(str(ids[k]), n) for k, n in TRACE]
+    records = np.zeros(len(TRACE), ORACLE_GENERAL)
+    records["time"] = np.arange(len(TRACE))
+    records["id"] = [ids[k] for k, _ in TRACE]
+    records["size"] = [n for _, n in TRACE]
+    binary = tmp_path / "trace.oracleGeneral"
+    records.tofile(binary)
+    assert read_trace(binary) == [(ids[k], n) for k, n in TRACE]
+    assert read_trace(binary, limit=10) == [(ids[k], n) for k, n in TRACE[:10]]
+    unsorted = tmp_path / "unsorted.csv"  # replayed by time
+    unsorted.write_text("timestamp,obj_id,obj_size\n3,c,30\n1,a,10\n2,b,20\n")
+    assert read_trace(unsorted) == [("a", 10), ("b", 20), ("c", 30)]
+
+
+@pytest.mark.parametrize("content, options, message", [
+    ("time,key,bytes\n1,a,ten\n", [], "line 2"),
+    ("1,a,-5\n", [], "negative size"),
+    ("when,what\n1,a\n", [], "--columns"),
+    ("1,a,5\n", ["--columns", "key=2,size=x"], "NAME=NUMBER"),
+    ("1,a,5\n", ["--budgets", "lots"], "neither a percent"),
+    ("1,a,5\n", ["--kinds", "shm-fifo,arc"], "choose from"),
+    ("", [], "no requests"),
+])
+def test_bad_input_exits_2_with_a_message_that_says_what_to_do(
+        tmp_path: Path, content: str, options: list[str], message: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    done = hitrate(str(path), "--out", str(tmp_path), *options)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "hitrate.csv").exists()
+
+
+def test_truncated_oracle_general_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.oracleGeneral"
+    path.write_bytes(bytes(ORACLE_GENERAL.itemsize * 3 + 5))
+    with pytest.raises(TraceError, match="whole number"):
+        read_trace(path)
+    done = hitrate(str(tmp_path / "nope.csv"))
+    assert done.returncode == 2 and "nope.csv" in done.stderr
+
+
+def test_budgets_in_percent_and_units() -> None:
+    assert parse_budgets("10%, 2GiB,512MB", 1000) == [("10%", 100), ("2GiB", 2 << 30),
+                                                       ("512MB", 512 * 10**6)]
+    with pytest.raises(TraceError, match="less than one byte"):
+        parse_budgets("0.01%", 1000)
+
+
+@pytest.mark.parametrize(("content", "args", "message"), [
+    (b"time,key,bytes\n0,ok,10\n1,\xff\xfe,10\n", (), "line 3: the key is not UTF-8"),
+    (b"time,key,bytes\n0,ok,10\n1," + b"k" * (200 << 10) + b",10\n", (), "line 3:.*field"),
+    (b"time,key,bytes\n0,ok,10\n1,huge,1152921504606846976\n", (), "line 3: size"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "inf%"), "--budgets: 'inf%'"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "1e30%"), "--budgets: '1e30%'"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "nan%"), "--budgets: 'nan%'"),
+    (b"time,key,bytes\n0,a,10\n", ("--budgets", "99999999999999999999TiB"), "above 1 PiB"),
+    (b"0,a,10\n", ("--delimiter", "ab"), "--delimiter 'ab'"),
+    (b"0,a,10\n", ("--columns", "key=0,bytes=3"), "key must name a column"),
+    (b"0,a,10\n", ("--limit", "-1"), "--limit -1"),
+    (b"0,a,10\n", ("--limit", "0"), "--limit 0"),
+])
+def test_hostile_traces_and_options_exit_2_naming_the_line_or_option(
+        tmp_path: Path, content: bytes, args: tuple[str, ...], message: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(content)
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "0", *args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert re.search(message, done.stderr), done.stderr
+
+
+def test_a_key_seen_large_then_small_counts_at_its_largest_and_verify_stays_small(
+        tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    rows = ["0,big,10737418240", "1,big,1000"] + [f"{i},k{i % 5},2000" for i in range(2, 60)]
+    path.write_text("\n".join(rows) + "\n")
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "60", "--budgets", "50%")
+    assert done.returncode == 0, done.stderr
+    assert "working set 10.0 GiB" in done.stdout or "10.0GiB" in done.stdout, done.stdout
+    assert "verified: the first 60 requests" in done.stdout
+
+
+def test_hitrate_killed_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("".join(f"{i},k{i % 300},{200_000 + i % 7}\n" for i in range(20_000)))
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "shmstore", "hitrate", "--no-progress",
+                             str(path), "--out", str(tmp_path), "--verify", "20000",
+                             "--budgets", "5%,10%,25%,50%"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # wait until the verify step has stores in shared memory, then stop it
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not any(
+                n.startswith("shmstore-") for n in set(os.listdir("/dev/shm")) - before):
+            time.sleep(0.01)
+        assert time.monotonic() < end, "the verify step never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if "shmstore" in n]
+
+
+def test_frontends_compare_one_shared_cache_with_one_per_frontend(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,bytes,session\n" + "".join(
+        f"{i},{k},{n},s{i % 7}\n" for i, (k, n) in enumerate(TRACE)))
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "0", "--budgets", "5%,20%",
+                   "--frontends", "3", "--kinds", "shm-freq,lru")
+    assert done.returncode == 0, done.stderr
+    assert "3 front ends, requests in turn (1,000-1,000 each)" in done.stdout
+    rows = list(csv.DictReader(open(tmp_path / "hitrate.csv")))
+    budgets = [int(r["budget_bytes"]) for r in rows[::2]]
+    turns = [i % 3 for i in range(len(TRACE))]
+    expected = replay_split(TRACE, turns, 3, ["shm-freq", "lru"], budgets, 8)
+    assert [float(r["separate_hit_ratio"]) for r in rows] == pytest.approx(
+        [s.hit_ratio for s in expected])
+    assert all(r["frontends"] == "3" for r in rows)
+    # by the session column: each session's requests stay on one front end
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "0", "--budgets", "5%",
+                   "--frontends", "2", "--route", "column", "--kinds", "shm-freq")
+    assert done.returncode == 0, done.stderr
+    routed = [route_index(f"s{i % 7}", 2) for i in range(len(TRACE))]
+    counts = np.bincount(routed, minlength=2)
+    assert f"requests by the route column ({counts.min():,}-{counts.max():,} each)" in done.stdout
+    row = next(csv.DictReader(open(tmp_path / "hitrate.csv")))
+    split = replay_split(TRACE, routed, 2, ["shm-freq"], [int(row["budget_bytes"])], 8)
+    assert float(row["separate_hit_ratio"]) == pytest.approx(split[0].hit_ratio)
+
+
+@pytest.mark.parametrize(("content", "args", "message"), [
+    ("time,key,bytes\n0,a,10\n", ("--frontends", "0"), "--frontends 0"),
+    ("time,key,bytes\n0,a,10\n", ("--frontends", "5000"), "--frontends 5000"),
+    ("time,key,bytes\n0,a,10\n", ("--frontends", "2", "--route", "column"), "no route column"),
+    ("time,key,bytes,user\n0,a,10\n1,b,10,u\n", ("--frontends", "2", "--route", "column"),
+     "line 2: .* a route in column 4"),
+    ("0,a,10,x\n", ("--frontends", "2", "--route", "column", "--columns", "key=2,bytes=3,route=0"),
+     "route must name a column"),
+])
+def test_bad_frontend_options_exit_2_saying_what_to_pass(
+        tmp_path: Path, content: str, args: tuple[str, ...], message: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(content)
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", "0", *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.stdout, done.stderr)
+    assert re.search(message, done.stderr), done.stderr
+
+
+def test_an_oracle_general_trace_has_no_route_column(tmp_path: Path) -> None:
+    path = tmp_path / "x.oracleGeneral"
+    np.zeros(4, ORACLE_GENERAL).tofile(path)
+    with pytest.raises(TraceError, match="no route column"):
+        read_trace(path, routes=[])
+    assert len(read_trace(path)) == 4
+
+
+def test_routes_follow_the_requests_when_a_trace_is_sorted_by_time(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,bytes,frontend\n3,c,10,z\n1,a,10,x\n2,b,10,y\n")
+    routes: list[str] = []
+    assert read_trace(path, routes=routes) == [("a", 10), ("b", 10), ("c", 10)]
+    assert routes == ["x", "y", "z"]

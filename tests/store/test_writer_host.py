@@ -1,0 +1,286 @@
+"""WriterHost / RemoteWriter: a store written from several processes, and hostile clients."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from shmstore.store import host as writer_host
+from shmstore.store import remote
+from shmstore.store.host import WriterHost, host_address
+from shmstore.store.remote import RemoteWriter
+from tests._names import (
+    Closed,
+    InvalidArgument,
+    InvalidKey,
+    KeyExists,
+    KeyNotCached,
+    ObjectStore,
+    ObjectTooLarge,
+    ReaderIndexError,
+    StaleHandle,
+    StoreFull,
+)
+
+KIB = 1024
+
+
+@pytest.fixture
+def hosted(name: str):
+    writer = ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=2,
+                                max_object_bytes=64 * KIB)
+    lock = threading.RLock()
+    host = WriterHost(writer, lock)
+    readers = [ObjectStore.attach(name, reader=i) for i in range(2)]
+    client = RemoteWriter(name, connect_timeout_s=5)
+    yield writer, host, client, readers, lock
+    client.close()
+    for r in readers:
+        r.close()
+    host.close()
+    writer.close()
+
+
+def blob(i: int, nbytes: int = 40 * KIB) -> np.ndarray:
+    return np.full(nbytes, i % 256, dtype=np.uint8)
+
+
+def test_remote_put_is_one_store_for_both_writers(hosted) -> None:
+    writer, _, client, readers, lock = hosted
+    handle = client.put("a", {"x": blob(1)})
+    first = client.handout_seq
+    assert first == writer.handout_seq == 1
+    assert writer.is_cached("a") and client.is_cached("a") and client.cached(["a", "b"]) == [True, False]
+    assert client.handle_of("a") == writer.handle_of("a") == handle
+    assert client.object_id("a") == writer.object_id("a")
+    with lock:
+        again = writer.get_cached("a")  # a hit of the host's own thread
+    assert again == handle and client.get_cached("a") == handle and client.handout_seq == 3
+    for r in readers:
+        for _ in range(3):
+            np.testing.assert_array_equal(r.get(handle)["x"], blob(1))
+    assert writer.unread(handle) == client.unread(handle) == (0, 0)
+    with pytest.raises(KeyExists):
+        client.put("a", {"x": blob(2)})
+    with pytest.raises(KeyNotCached):
+        client.get_cached("missing")
+    with pytest.raises(ObjectTooLarge):
+        client.put("big", blob(0, 100 * KIB))
+    with pytest.raises(InvalidKey):
+        client.is_cached("")
+    with pytest.raises(InvalidArgument, match="timeout=0"):
+        client.put("b", blob(1), timeout=1)
+    assert len(client) == len(writer) == 1
+    client.clear()
+    assert not writer.is_cached("a")
+    with pytest.raises(StaleHandle):
+        readers[0].get(handle)
+
+
+def test_an_object_goes_only_when_every_writer_ended_its_hand_outs(hosted) -> None:
+    """Each writer ends its own hand-outs; a full store withdraws an owed object only once
+    every hand-out of it is over."""
+    writer, _, client, readers, lock = hosted
+    handle = client.put("a", blob(1))
+    mine = client.handout_seq
+    with lock:
+        writer.get_cached("a")
+        theirs = writer.handout_seq
+    handles = [client.put(f"k{i}", blob(i)) for i in range(1, 6)]  # six fit
+    for h in handles:
+        for r in readers:
+            r.get(h)
+    assert client.end_handouts([(handle, [mine])]) == [True]  # still owed reads
+    with pytest.raises(StoreFull, match="still owed"):  # the host's hand-out is not over
+        client.put("more", blob(9))
+    with lock:
+        assert writer.end_handouts([(handle, [theirs, 999])]) == [True]  # 999: ignored
+    more = client.put("more", blob(9))  # withdrawn to make room
+    assert not writer.is_cached("a") and writer.stats().withdrawn == 1
+    with pytest.raises(StaleHandle):
+        client.unread(handle)
+    assert client.end_handouts([(handle, [1]), (more, [])]) == [False, True]  # gone; owed
+
+
+def test_give_back_by_number_and_narrowed_hand_outs(hosted) -> None:
+    writer, _, client, readers, _ = hosted
+    handle = client.put("a", blob(1))
+    put = client.handout_seq
+    client.hand_out(handle)
+    second = client.handout_seq
+    client.narrow(handle, put, [0])  # the put goes to reader 0 only
+    assert client.unread(handle) == (2, 1)
+    client.give_back(handle, put)
+    assert client.unread(handle) == (1, 1)
+    with pytest.raises(StaleHandle, match="no hand-out number"):
+        client.give_back(handle, put)
+    with pytest.raises(ReaderIndexError):
+        client.narrow(handle, second, [2])
+    client.narrow(handle, second, [1])
+    assert client.unread(handle) == (0, 1)
+    readers[1].get(handle)
+    assert writer.unread(handle) == (0, 0)
+
+
+def test_store_full_crosses_as_store_full(hosted) -> None:
+    _, _, client, _, _ = hosted
+    handles = [client.put(f"k{i}", blob(i)) for i in range(6)]  # six fit
+    with pytest.raises(StoreFull, match="still owed"):
+        client.put("more", blob(9))
+    assert client.unread(handles[0]) == (1, 1)  # the failed put changed nothing
+
+
+def _begin_and_die(name: str) -> None:
+    client = RemoteWriter(name, connect_timeout_s=5)
+    client._call("begin", "orphan", 40 * KIB + 200, 0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_client_killed_while_writing_gives_its_chunk_back(hosted, name: str) -> None:
+    writer, _, client, readers, _ = hosted
+    proc = multiprocessing.get_context("spawn").Process(target=_begin_and_die, args=(name,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == -signal.SIGKILL
+    # the ring goes round several times: the lent chunk must not stay in the way
+    for i in range(20):
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                handle = client.put(f"k{i}", blob(i))
+                break
+            except StoreFull:
+                assert time.monotonic() < deadline, "the dead client's chunk was never freed"
+                time.sleep(0.05)
+        for r in readers:
+            np.testing.assert_array_equal(r.get(handle), blob(i))
+    assert not writer.is_cached("orphan")
+
+
+def _raw(name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(host_address(name))
+    sock.settimeout(5)
+    return sock
+
+
+def test_hand_out_cached_takes_every_hit_in_one_call(hosted) -> None:
+    writer, _, client, readers, lock = hosted
+    a, b = client.put("a", blob(1)), client.put("b", blob(2))
+    with pytest.raises(InvalidKey):  # checked before anything is handed out
+        client._call("hand_out_cached", ["a", ""])
+    assert writer.unread(a) == writer.unread(b) == (1, 1)
+    found = client.hand_out_cached(["b", "missing", "a"])
+    assert found[1] is None
+    assert [f[0] for f in found if f] == [b, a]
+    assert [f[1] for f in found if f] == [3, 4] and client.handout_seq == 4
+    assert client.object_id("a") == writer.object_id("a")  # no round trip: kept from the call
+    assert writer.unread(a) == writer.unread(b) == (2, 2)
+    client.give_back(a, 4)
+    client.give_back(b, 3)
+    for r in readers:
+        r.get(a), r.get(b)
+    assert writer.unread(a) == writer.unread(b) == (0, 0)
+    with pytest.raises(InvalidArgument, match="at most"):
+        client.hand_out_cached(["k"] * (writer_host.MAX_KEYS + 1))
+
+
+def test_posted_calls_run_in_order_and_fail_quietly(hosted, caplog) -> None:
+    writer, host, client, readers, _ = hosted
+    handle = client.put("a", blob(1))
+    put = client.handout_seq
+    client.hand_out(handle)
+    client.narrow(handle, put, [0], wait=False)  # no reply waited for
+    assert client.unread(handle) == (2, 1)  # but run before the next call
+    client.give_back(handle, put, wait=False)
+    client.give_back(handle, put, wait=False)  # a second time: stale, logged at debug only
+    assert client.unread(handle) == (1, 1) and host.post_errors == 0
+    client.narrow(handle, client.handout_seq, [5], wait=False)  # no such reader: counted
+    assert client.is_cached("a") and host.post_errors == 1  # the connection goes on
+    assert "posted narrow failed" in caplog.text
+    sock = _raw(writer.name)  # only give_back and narrow may be posted
+    frame = msgpack.packb(["post", "clear", False])
+    sock.sendall(struct.pack("<I", len(frame)) + frame)
+    assert sock.recv(1 << 16) == b""  # dropped
+    sock.close()
+    assert len(writer) == 1
+
+
+def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> None:
+    _, _, client, _, _ = hosted
+    with pytest.raises(InvalidArgument, match="frame limit"):
+        client.is_cached("k" * writer_host.MAX_FRAME_BYTES)
+    client.put("a", blob(1))  # the connection is still in step
+    keys = [f"key-{i}" for i in range(3 * writer_host.MAX_KEYS)] + ["a"]
+    assert client.cached(keys) == [False] * (len(keys) - 1) + [True]  # in several calls
+
+
+@pytest.mark.parametrize("frame", [
+    struct.pack("<I", 0),
+    struct.pack("<I", writer_host.MAX_FRAME_BYTES + 1),
+    struct.pack("<I", 3) + b"\xc1\xc1\xc1",  # not msgpack
+    struct.pack("<I", 1) + msgpack.packb(7),  # not a request
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["nope"]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["give_back", [1, 2], None]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["commit", 12345]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16, 1], -1, []]))), b]),
+])
+def test_a_hostile_frame_closes_that_connection_only(hosted, frame: bytes) -> None:
+    writer, _, client, readers, _ = hosted
+    sock = _raw(writer.name)
+    sock.sendall(frame)
+    assert sock.recv(1 << 16) == b""  # dropped
+    sock.close()
+    handle = client.put("after", blob(3))  # the others are still served
+    assert readers[0].get(handle)[0] == 3
+
+
+def test_bad_arguments_get_an_error_reply_not_a_drop(hosted) -> None:
+    writer, _, client, _, _ = hosted
+    handle = client.put("a", blob(1))
+    forged = type(handle)(handle.address, handle.seq + 1, handle.key_digest, handle.epoch)
+    with pytest.raises(StaleHandle):
+        client.unread(forged)
+    with pytest.raises(StaleHandle):
+        client.hand_out(forged)
+    assert client.is_cached("a")
+
+
+def test_another_user_is_refused(hosted, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    writer, host, _, _, _ = hosted
+    another_user = lambda sock: os.getuid() + 1  # noqa: E731
+    monkeypatch.setattr(writer_host, "peer_uid", another_user)  # the host's check
+    monkeypatch.setattr(remote, "peer_uid", another_user)  # and the client's
+    sock = _raw(name)  # the host sees another user: closed before any request
+    try:
+        sock.sendall(struct.pack("<I", len(b := msgpack.packb(["hello"]))) + b)
+        got = sock.recv(64)
+    except (ConnectionResetError, BrokenPipeError):
+        got = b""  # closed before the request was even sent or read
+    assert got == b""  # no reply: closed
+    sock.close()
+    with pytest.raises(Closed, match="another user"):  # and a client refuses such a host
+        RemoteWriter(name, connect_timeout_s=1)
+
+
+def test_a_second_host_and_a_missing_host(hosted, name: str) -> None:
+    writer, host, client, _, lock = hosted
+    with pytest.raises(InvalidArgument, match="taken"):
+        WriterHost(writer, lock)
+    with pytest.raises(Closed, match="no process serves"):
+        RemoteWriter(name + "-none", connect_timeout_s=0.2)
+    host.close()
+    with pytest.raises(Closed):
+        client.is_cached("a")
+    assert client.closed
+    with pytest.raises(Closed):
+        client.is_cached("a")

@@ -1,0 +1,174 @@
+"""A real `vllm serve` (the OpenAI server, CPU build, tiny LLaVA) with shmstore's `shm` cache:
+requests the server refuses after rendering and requests whose clients disconnect while queued
+must not wedge the store. One server for the module (about 50 s to start on 2 cores).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from tests.conftest import new_name
+from tests.vllm.tiny_llava import build
+
+pytestmark = pytest.mark.timeout(600)
+LAUNCHER = Path(__file__).with_name("vllm_serve_launch.py")
+MAX_MODEL_LEN = 256
+
+
+class Server:
+    def __init__(self, model: Path, segment: str, log: Path, *extra: str,
+                 cache_gb: str = "0.00025", cache_type: str = "shm",
+                 env: dict[str, str] | None = None) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.model, self.segment = str(model), segment
+        env = {**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
+               "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment, "SHMSTORE_VLLM_SETTLE_S": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(LAUNCHER.parents[2]), **(env or {})}
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(LAUNCHER), "serve", self.model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--mm-processor-cache-type", cache_type,
+             "--mm-processor-cache-gb", cache_gb,  # default: about six of these images
+             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--enforce-eager",
+             *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, log.read_text()[-5000:]
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(log.read_text()[-5000:])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def chat(self, seed: int, text: str = "describe the image", timeout: float = 60,
+             **extra: Any) -> dict[str, Any]:
+        body = {"model": self.model, "max_tokens": 8, "temperature": 0, **extra,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": image(seed)}},
+                    {"type": "text", "text": text}]}]}
+        request = urllib.request.Request(f"{self.url}/v1/chat/completions",
+                                         json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())  # type: ignore[no-any-return]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` with these labels (and this segment)."""
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        want = {**labels, "segment": self.segment}
+        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(f"{name}{{") and want.items() <= _labels(line).items()]
+        if not found:
+            raise LookupError(f"no {name} {want} in /metrics")
+        return sum(found)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)  # by pid: the server and what it spawned
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        for leftover in Path("/dev/shm").glob("vllm_dist_*"):  # vLLM's own, not ours
+            leftover.unlink(missing_ok=True)
+
+
+def _labels(line: str) -> dict[str, str]:
+    inside = line[line.index("{") + 1:line.rindex("}")]
+    return dict((k, v.strip('"')) for k, v in (pair.split("=", 1) for pair in inside.split(",")
+                                                if pair))
+
+
+def image(seed: int) -> str:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = build(tmp_path_factory.mktemp("tiny-llava"))
+    srv = Server(model, new_name("serve"), tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    srv.stop()
+    assert not Path("/dev/shm", srv.segment).exists()  # the server's exit unlinked it
+
+
+def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server) -> None:
+    first = server.chat(1)["choices"][0]["message"]["content"]
+    # refused after rendering: the prompt fits, not with the image's 16 tokens
+    too_long = "describe " + "the quick brown fox " * 60
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        server.chat(100, text=too_long)
+    assert refused.value.code == 400
+    # three clients that leave while their requests wait behind long ones (one sequence)
+    server.chat(199, max_tokens=MAX_MODEL_LEN - 40, ignore_eos=True)  # warm: the first is slow
+    started = time.monotonic()
+    server.chat(200, max_tokens=MAX_MODEL_LEN - 40, ignore_eos=True)
+    n_long = max(2, int(4 / (time.monotonic() - started)) + 1)  # about 4 s of work queued
+    longs = [threading.Thread(target=server.chat, args=(200 + i,),
+                              kwargs={"max_tokens": MAX_MODEL_LEN - 40, "ignore_eos": True})
+             for i in range(n_long)]
+    for t in longs:
+        t.start()
+    time.sleep(0.3)
+    gone = []
+
+    def leave(seed: int) -> None:
+        try:
+            server.chat(seed, timeout=0.5)
+        except (TimeoutError, urllib.error.URLError):
+            gone.append(seed)
+
+    leavers = [threading.Thread(target=leave, args=(300 + i,)) for i in range(3)]
+    for t in leavers:
+        t.start()
+    for t in leavers + longs:
+        t.join(120)
+    assert len(gone) == 3
+    time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
+    inline = []
+    for r in range(3):  # rounds of six new images, more than the store holds
+        before = server.metric("shmstore_inline_fallbacks_total", api_server="0")
+        for i in range(6):
+            server.chat(1000 + 10 * r + i)
+        inline.append(server.metric("shmstore_inline_fallbacks_total", api_server="0") - before)
+    assert inline == [0, 0, 0]
+    assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="refused") == 1
+    assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted") >= 1
+    assert server.metric("shmstore_withdrawn_total") >= 2
+    assert server.chat(1)["choices"][0]["message"]["content"] == first  # same image, same text
+    assert server.metric("shmstore_reader_lag", reader="0") == 0

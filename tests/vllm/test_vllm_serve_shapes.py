@@ -1,0 +1,159 @@
+"""The deployments where vLLM turns IPC caching off, served by one shared store: a real
+`vllm serve` (CPU build, tiny LLaVA) with two API servers at TP 2, and with data parallelism 2
+(two API servers, two engines). Outputs must equal a reference run with one API server and
+vLLM's `lru` cache; each image is stored once on the node however many API servers see it;
+hits across API servers are counted; no engine owes reads on what it never saw; a refused
+request, and reset_mm_cache under traffic, neither wedge nor break anything. Three servers,
+one after the other (about 50 s each to start on 2 cores).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from tests.conftest import new_name
+from tests.vllm.test_vllm_serve import Server
+from tests.vllm.tiny_llava import build
+
+pytestmark = pytest.mark.timeout(600)
+IMAGES = list(range(6))
+UNDER_RESET = list(range(50, 58))  # new images sent while the cache is reset
+SHAPES = {  # name: (arguments, tensor-parallel size)
+    "api-servers-2-tp-2": (("--api-server-count", "2", "--tensor-parallel-size", "2"), 2),
+    "data-parallel-2": (("--data-parallel-size", "2"), 1),
+}
+CACHE_GB = "0.0005"  # about 13 of these images
+ROUND = 14  # new images per round: more than the store holds
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two workers or engines on the two cores
+
+
+def texts(server: Server, seeds: list[int]) -> dict[int, str]:
+    return {s: server.chat(s)["choices"][0]["message"]["content"] for s in seeds}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="module")
+def references(model: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Callable[[int], dict[int, str]]:
+    """Greedy outputs of one API server with vLLM's own lru cache at a tensor-parallel size
+    (sent one at a time: TP and batching change a random model's near-tie logits)."""
+    made: dict[int, dict[int, str]] = {}
+
+    def reference(tp: int) -> dict[int, str]:
+        if tp not in made:
+            server = Server(model, new_name("ref"), tmp_path_factory.mktemp("ref") / "log",
+                            "--tensor-parallel-size", str(tp), cache_type="lru",
+                            cache_gb="0.01", env=BIND)
+            try:
+                made[tp] = texts(server, IMAGES + UNDER_RESET)
+            finally:
+                server.stop()
+        return made[tp]
+    return reference
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10) -> bool:
+    """Metrics from several API servers are mirrored twice a second: poll."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.25)
+    return check()
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shaped(request: pytest.FixtureRequest, model: Path,
+           tmp_path_factory: pytest.TempPathFactory,
+           references: Callable[[int], dict[int, str]]) -> Iterator[tuple[Server, dict[int, str]]]:
+    arguments, tp = SHAPES[request.param]
+    reference = references(tp)  # first: one server at a time
+    server = Server(model, new_name("shape"), tmp_path_factory.mktemp("shape") / "server.log",
+                    *arguments, cache_gb=CACHE_GB, env={**BIND, "VLLM_SERVER_DEV_MODE": "1"})
+    yield server, reference
+    server.stop()
+    assert not Path("/dev/shm", server.segment).exists()  # unlinked by API server 0's exit
+
+
+def test_one_store_serves_every_api_server_and_engine(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    server, reference = shaped
+    assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}
+    assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}  # hits, here or there
+    # the same image until both API servers have served it: stored once, a hit for the other
+    for _ in range(30):
+        if server.metric("shmstore_vllm_items_total", outcome="shared") >= 1:
+            break
+        assert server.chat(IMAGES[0])["choices"][0]["message"]["content"] == reference[0]
+        time.sleep(0.6)  # past the metrics mirror
+    assert eventually(lambda: server.metric("shmstore_vllm_items_total", outcome="shared") >= 1)
+    for api_server in ("0", "1"):  # both wrote (one directly, one through API server 0)
+        assert server.metric("shmstore_vllm_items_total", api_server=api_server) > 0
+    assert server.metric("shmstore_puts_total") == len(IMAGES)  # one copy each on the node
+    assert server.metric("shmstore_inline_fallbacks_total") == 0
+    stored = server.metric("shmstore_vllm_items_total", outcome="stored")
+    assert stored == len(IMAGES)
+    # every reader (each engine's workers) owes nothing: no engine pins what it never saw
+    assert eventually(lambda: server.metric("shmstore_reader_lag") == 0)
+
+
+def test_refused_requests_on_any_api_server_never_wedge_the_store(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    server, _ = shaped
+    too_long = "describe " + "the quick brown fox " * 60
+    for seed in (100, 101):  # whichever API servers they reach
+        with pytest.raises(urllib.error.HTTPError) as error:
+            server.chat(seed, text=too_long)
+        assert error.value.code == 400
+    time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
+    inline = []
+    for r in range(3):  # rounds of new images, more than the store holds
+        before = server.metric("shmstore_inline_fallbacks_total")
+        texts(server, [1000 + 100 * r + i for i in range(ROUND)])
+        time.sleep(0.6)  # past the metrics mirror
+        inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
+    assert inline == [0, 0, 0]
+    assert eventually(lambda: server.metric("shmstore_vllm_settled_total", reason="refused")
+                      == 2)
+    assert server.metric("shmstore_withdrawn_total") >= 1
+
+
+def test_reset_mm_cache_under_traffic_kills_nothing(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    server, reference = shaped
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def send() -> None:  # one at a time, as the reference was made
+        for seed in UNDER_RESET:
+            try:
+                got[seed] = server.chat(seed, timeout=120)["choices"][0]["message"]["content"]
+            except BaseException as exc:
+                errors.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    for _ in range(3):  # while requests are being rendered, queued and read
+        time.sleep(0.3)
+        request = urllib.request.Request(f"{server.url}/reset_mm_cache", b"", method="POST")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+    sender.join(300)
+    assert not errors
+    assert got == {s: reference[s] for s in UNDER_RESET}
+    urllib.request.urlopen(f"{server.url}/health", timeout=10)  # no engine died
+    assert texts(server, IMAGES[:2]) == {s: reference[s] for s in IMAGES[:2]}
