@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import os
@@ -129,3 +130,11 @@ def test_bench_serve_reports_and_plots_a_saved_run(tmp_path: Path) -> None:
     out = run_printing_script("bench_serve.py", "--from-json",
                               str(ROOT / "bench" / "saved" / "serve_672.json"), "--plot", str(png))
     assert "dp2-shmstore / dp2-fallback" in out and png.stat().st_size > 10_000
+
+
+def test_bench_frontends_prints_shared_against_separate(tmp_path: Path) -> None:
+    out = run_printing_script("bench_frontends.py", "--quick", "--families", "zipf-0.8",
+                              "--frontends", "2", "--out", str(tmp_path))
+    assert "shared - separate lru" in out and "zipf-0.8  2  25%" in out
+    rows = list(csv.DictReader(open(tmp_path / "frontends.csv")))
+    assert len(rows) == 4 and all(float(r["shared_freq"]) > float(r["separate_lru"]) for r in rows)
