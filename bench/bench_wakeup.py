@@ -9,6 +9,9 @@
    returned (the rest is the reader's own code after waking).
 3. The floor: a bare POSIX semaphore posted by one Python process and waited on by another,
    same pacing.
+4. A Rust-backed peer: iceoryx2's Python bindings, an event notifier to a listener in another
+   process, same pacing (`pip install iceoryx2`; skipped when it is not installed). What it
+   leaves in /dev/shm and /tmp/iceoryx2 is removed afterwards.
 Medians and 99th percentiles over N messages. With --warm-ms W the writer busy-loops for W ms
 before each message of 2 and 3 (its CPU is awake and clocked up when it sends).
 """
@@ -20,6 +23,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
@@ -89,6 +93,68 @@ def semaphore_reader(name: str, n: int, out: Any) -> None:
     sem.close()
 
 
+def iceoryx2_listener(service: str, n: int, ready: Any, out: Any) -> None:
+    import iceoryx2 as iox2
+
+    iox2.set_log_level(iox2.LogLevel.Error)  # not the note that no config file was found
+    node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    event = node.service_builder(iox2.ServiceName.new(service)).event().open_or_create()
+    listener = event.listener_builder().create()
+    ready.put(True)
+    got = []
+    while len(got) < n:
+        woken = listener.blocking_wait()
+        now = time.perf_counter()
+        got.extend([now] * max(1, len(woken)))
+    out.put(got[:n])
+    listener.delete()
+    del event, node  # the node and its service go with their last reference
+
+
+def iceoryx2_floor(n: int, gap: float, warm: float, ctx: Any) -> list[float] | None:
+    """Latency from notify() to the listener's wait returning, one event per gap; None without
+    iceoryx2. Removes the shared-memory files and /tmp/iceoryx2 entries it made."""
+    try:
+        import iceoryx2 as iox2
+    except ImportError:
+        return None
+    import glob
+    import shutil
+
+    before = set(glob.glob("/dev/shm/iox2_*"))
+    tmp_existed = os.path.exists("/tmp/iceoryx2")
+    service = f"bench-wakeup-{os.getpid()}"
+    try:
+        iox2.set_log_level(iox2.LogLevel.Error)
+        node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+        event = node.service_builder(iox2.ServiceName.new(service)).event().open_or_create()
+        notifier = event.notifier_builder().create()
+        ready, out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=iceoryx2_listener, args=(service, n, ready, out))
+        p.start()
+        try:
+            ready.get(timeout=60)
+            time.sleep(0.5)
+            sent = []
+            for _ in range(n):
+                time.sleep(gap)
+                busy(warm)
+                sent.append(time.perf_counter())
+                notifier.notify()
+            got = out.get(timeout=120)
+        finally:
+            p.join(60)
+            notifier.delete()
+            del event, node
+        return [g - s for g, s in zip(got, sent)]
+    finally:
+        for path in set(glob.glob("/dev/shm/iox2_*")) - before:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if not tmp_existed:
+            shutil.rmtree("/tmp/iceoryx2", ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200)
@@ -145,6 +211,13 @@ def main() -> None:
         sem.close()
     floor = [g - s for g, s in zip(got, sent)]
     print(f"bare semaphore, same pacing: p50 {pct(floor, 0.5):.0f} us, p99 {pct(floor, 0.99):.0f} us")
+    iox = iceoryx2_floor(n, gap, warm, ctx)
+    if iox is None:
+        print("iceoryx2, same pacing: skipped (pip install iceoryx2)")
+    else:
+        print(f"iceoryx2 event, same pacing: p50 {pct(iox, 0.5):.0f} us, p99 {pct(iox, 0.99):.0f} us; "
+              f"shmstore put to get / iceoryx2: p50 {pct(total, 0.5) / pct(iox, 0.5):.1f}x, "
+              f"p99 {pct(total, 0.99) / pct(iox, 0.99):.1f}x")
 
 
 if __name__ == "__main__":
