@@ -13,7 +13,9 @@
    process, same pacing (`pip install iceoryx2`; skipped when it is not installed). What it
    leaves in /dev/shm and /tmp/iceoryx2 is removed afterwards.
 Medians and 99th percentiles over N messages. With --warm-ms W the writer busy-loops for W ms
-before each message of 2 and 3 (its CPU is awake and clocked up when it sends).
+before each message of 2 and 3 (its CPU is awake and clocked up when it sends). First, what
+one full-barrier exchange on a shared word costs after the CPU idled, through the compiled
+words and through ctypes (shm/_ordering.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,34 @@ def put_after_idle() -> dict[float, float]:
         return costs
     finally:
         q.close()
+
+
+def exchange_after_idle() -> dict[str, float]:
+    """Median time of one full-barrier exchange on a word of a mapping, after 20 ms of sleep,
+    through each ordering path this machine has (the compiled words, ctypes into libatomic)."""
+    import mmap
+
+    from shmstore.shm import _ordering
+
+    mapping = mmap.mmap(-1, 4096)
+    paths: dict[str, Any] = {}
+    if _ordering.ORDERING == "compiled":
+        paths["compiled"] = _ordering.ordered_words(mapping)
+    if _ordering.FULL_FENCE:  # the pure-Python words call libatomic through ctypes
+        paths["ctypes"] = _ordering.OrderedWords(mapping)
+    times: dict[str, list[float]] = {label: [] for label in paths}
+    try:
+        for _ in range(60):
+            for label, words in paths.items():
+                time.sleep(0.02)
+                started = time.perf_counter()
+                words.exchange(64, 1)
+                times[label].append(time.perf_counter() - started)
+    finally:
+        for words in paths.values():
+            words.release()
+        mapping.close()
+    return {label: statistics.median(t) * 1e6 for label, t in times.items()}
 
 
 def queue_reader(name: str, n: int, out: Any) -> None:
@@ -164,6 +194,9 @@ def main() -> None:
     n, gap, warm = args.messages, args.gap_ms / 1e3, args.warm_ms / 1e3
     ctx = mp.get_context("spawn")
 
+    exchanges = exchange_after_idle()
+    print("one full-barrier exchange after 20 ms idle: "
+          + ", ".join(f"{label} {us:.1f} us" for label, us in exchanges.items()))
     costs = put_after_idle()
     print("put with no reader, after the writer was idle for: "
           + ", ".join(f"{g * 1e3:g} ms: {c:.1f} us" for g, c in costs.items()))

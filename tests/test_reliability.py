@@ -226,7 +226,7 @@ def test_4_close_from_another_thread_wakes_blocked_calls_with_segment_closed(nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ordering", ["plain", "libatomic"])
+@pytest.mark.parametrize("ordering", ["compiled", "plain", "libatomic"])
 def test_4_5_close_races_and_use_after_close_never_crash(ordering: str) -> None:
     code = f"""
 import threading, time, numpy as np

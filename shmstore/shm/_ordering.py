@@ -18,7 +18,14 @@ through libatomic's `__atomic_store_8` / `__atomic_load_8` with `__ATOMIC_RELEAS
 `__ATOMIC_ACQUIRE` (stlr / ldar on aarch64). If libatomic cannot be loaded the import fails with
 a message saying to install it (it ships with gcc, package libatomic1 on Debian/Ubuntu).
 
-`SHMSTORE_ORDERING=libatomic` forces the libatomic path on x86 too (the tests use it).
+Where the optional compiled module shm/_atomic.c was built at install (a C compiler was there),
+every word goes through it instead (ORDERING "compiled"): the same orders from GCC's
+`__atomic` builtins, one C call each, with every offset bounds-checked. A ctypes call costs
+about 1 us warm and tens of microseconds right after an idle period, when every page it touches
+misses the caches; the compiled call is several times cheaper in both cases (docs/performance.md).
+
+`SHMSTORE_ORDERING=libatomic` (or `plain`, on x86) forces a pure-Python path even where the
+compiled module exists (the tests run them this way); `compiled` insists on the module.
 
 A sleeping reader and a waking writer need more: a store followed by a load of another word
 (Dekker's pattern: "I am asleep" then "is there a message?", against "here is a message" then
@@ -35,9 +42,9 @@ import ctypes.util
 import mmap
 import os
 import platform
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["OrderedWords", "ORDERING", "FULL_FENCE"]
+__all__ = ["Words", "OrderedWords", "ordered_words", "ORDERING", "FULL_FENCE"]
 
 _ATOMIC_ACQUIRE = 2  # __ATOMIC_ACQUIRE
 _ATOMIC_RELEASE = 3  # __ATOMIC_RELEASE
@@ -46,10 +53,22 @@ _U64_MASK = (1 << 64) - 1  # values wrap: a counter loaded from damaged memory m
 _TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 
+try:
+    from . import _atomic as _compiled  # built at install where a C compiler exists
+except ImportError:
+    _compiled = None  # type: ignore[assignment]
+
+
 def _choose_ordering() -> str:
     forced = os.environ.get("SHMSTORE_ORDERING", "")
-    if forced in ("plain", "libatomic"):
+    if forced == "compiled" and _compiled is None:
+        raise ImportError("SHMSTORE_ORDERING=compiled, but shmstore.shm._atomic was not built: "
+                          "reinstall shmstore where a C compiler (gcc or clang) is available, "
+                          "or unset SHMSTORE_ORDERING")
+    if forced in ("plain", "libatomic", "compiled"):
         return forced
+    if _compiled is not None:
+        return "compiled"
     return "plain" if platform.machine().lower() in _TSO_MACHINES else "libatomic"
 
 
@@ -81,14 +100,30 @@ if ORDERING == "libatomic":
     _atomic_store = _libatomic["__atomic_store_8"]
     _atomic_store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     _atomic_store.restype = None
-FULL_FENCE = _atomic_exchange is not None
+FULL_FENCE = ORDERING == "compiled" or _atomic_exchange is not None
+
+
+class Words(Protocol):
+    """Aligned 8-byte words of one mapping, read with acquire and written with release order:
+    OrderedWords below, or the compiled shm/_atomic.c Words. Made by `ordered_words`, owned by
+    the Segment that owns the mapping; `release()` must run before the mapping closes."""
+
+    def load_acquire(self, offset: int, /) -> int: ...
+    def store_release(self, offset: int, value: int, /) -> None: ...
+    def exchange(self, offset: int, value: int, /) -> int: ...
+    def compare_exchange(self, offset: int, expected: int, value: int, /) -> bool: ...
+    def release(self) -> None: ...
+
+
+def ordered_words(mapping: mmap.mmap) -> Words:
+    """Words of `mapping` through the compiled module where ORDERING says so, else Python."""
+    if ORDERING == "compiled":
+        return _compiled.Words(mapping)
+    return OrderedWords(mapping)
 
 
 class OrderedWords:
-    """Aligned 8-byte words of one mapping, read with acquire and written with release order.
-
-    Owned by the Segment that owns the mapping; `release()` must run before the mapping closes.
-    """
+    """The pure-Python Words: ctypes calls into libatomic, or plain loads and stores (x86)."""
 
     _words: memoryview | None = None
     _anchor: ctypes.Array[ctypes.c_char] | None = None

@@ -70,7 +70,7 @@ from typing import Any
 
 from .._proc import PID_MAX_LIMIT, pid_alive
 from ..errors import ReaderIndexError, ReaderSlotBusy
-from ._ordering import OrderedWords
+from ._ordering import Words
 
 __all__ = ["ReaderTable", "Liveness", "NEVER", "ATTACHED", "GONE", "MAX_READERS",
            "ROW_HEAD_BYTES", "LIVENESS_CHECK_S"]
@@ -111,7 +111,7 @@ def check_reader_index(reader: Any, n_readers: int, what: str) -> int:
 class ReaderTable:
     """The rows of one segment; `words` orders the accesses (see _ordering)."""
 
-    def __init__(self, words: OrderedWords, offset: int, n_readers: int, row_bytes: int,
+    def __init__(self, words: Words, offset: int, n_readers: int, row_bytes: int,
                  what: str, name: str, epoch: int) -> None:
         self.words = words
         self.offset = offset

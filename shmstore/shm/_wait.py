@@ -32,7 +32,7 @@ import posix_ipc
 
 from .._proc import number_arg
 from ..errors import SegmentNotFound, SegmentPermissionError, ShmSpaceError
-from ._ordering import FULL_FENCE, OrderedWords
+from ._ordering import FULL_FENCE, Words
 
 __all__ = ["Deadline", "Doorbell", "wait_until", "SLICE_S", "SHM_DIR"]
 
@@ -156,7 +156,7 @@ def wait_until(
     check: Callable[[], None],
     spin_s: float = 0.0,
     bell: Doorbell | None = None,
-    words: OrderedWords | None = None,
+    words: Words | None = None,
     flag: int = 0,
 ) -> bool:
     """Wait until `ready()`; return False if the deadline passed first.

@@ -53,7 +53,7 @@ from ._header import (
     shm_free_bytes,
     validate_name,
 )
-from ._ordering import OrderedWords
+from ._ordering import Words, ordered_words
 
 log = logging.getLogger("shmstore")
 
@@ -97,7 +97,7 @@ class Segment(Closeable):
     is_owner = False
     _mmap: mmap.mmap | None = None
     _buf: memoryview | None = None
-    _words: OrderedWords | None = None
+    _words: Words | None = None
     _unlinked = False
 
     def __init__(self) -> None:
@@ -226,7 +226,7 @@ class Segment(Closeable):
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
         self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._buf = memoryview(self._mmap)
-        self._words = OrderedWords(self._mmap)
+        self._words = ordered_words(self._mmap)
 
     def _read_header(self, size: int, kind: int) -> None:
         (magic, version, seg_kind, n_readers, data_offset, capacity_bytes, total_bytes,
@@ -302,7 +302,7 @@ class Segment(Closeable):
         return self._buf
 
     @property
-    def words(self) -> OrderedWords:
+    def words(self) -> Words:
         """Acquire/release access to aligned 8-byte words of the mapping."""
         if self._words is None:
             raise SegmentClosed(f"segment {self.name!r} is closed; attach it again to use it")

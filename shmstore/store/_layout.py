@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from ..errors import IncompatibleSegment, InvalidHandle, StaleHandle
 from ..handle import Handle
 from ..shm._closeable import CallGuard, Closeable
-from ..shm._ordering import OrderedWords
+from ..shm._ordering import Words
 from ..shm._readers import ATTACHED, NEVER, ROW_HEAD_BYTES, Liveness, ReaderTable
 from ..shm.ring import ShmRingBuffer
 from ..shm.segment import ALIGN_BYTES, SEGMENT_HEADER, align_up
@@ -102,7 +102,7 @@ class ReaderLedger:
     counter against the hand-outs made after it attached) and which readers are inside a chunk
     (its pins). Readers write these words; the writer only loads them."""
 
-    def __init__(self, words: OrderedWords, table: ReaderTable, liveness: Liveness) -> None:
+    def __init__(self, words: Words, table: ReaderTable, liveness: Liveness) -> None:
         self._words = words
         self._table = table
         self._liveness = liveness

@@ -1,50 +1,136 @@
-"""The libatomic ordering path (used on ARM) works; forced here on x86 in a child process."""
+"""Every ordering path works: the compiled words (shm/_atomic.c, the default where it was
+built), libatomic through ctypes (ARM without the compiled module; forced here on x86 in a child
+process) and plain loads and stores (x86 without it)."""
 
 from __future__ import annotations
 
 import ctypes.util
+import importlib.util
+import mmap
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from shmstore.shm._ordering import OrderedWords, Words
 from tests.conftest import new_name
 
 CODE = """
-import numpy as np, shmstore, shmstore.shm._ordering as o
-assert o.ORDERING == "libatomic", o.ORDERING
-w = shmstore.ObjectStore.create({name!r}, capacity_bytes=1 << 20, n_readers=1)
-r = shmstore.ObjectStore.attach({name!r}, reader=0)
-try:
-    for i in range(50):
-        h = w.put(f"k{{i}}", np.full(50_000, i, np.int32), timeout=1)
-        assert int(r.get(h)[0]) == i
-    s = w.stats()
-    assert s.reader_lag == (0,) and s.evictions > 0, s
+import multiprocessing as mp, numpy as np, shmstore, shmstore.shm._ordering as o
+from shmstore import BroadcastQueue
+assert o.ORDERING == {ordering!r}, o.ORDERING
+
+def reader(name):
+    r = BroadcastQueue.attach(name, 0)
+    got = [r.get(timeout=30) for _ in range(300)]
+    r.close()
+    raise SystemExit(0 if got == list(range(300)) else 1)
+
+if __name__ == "__main__":
+    w = shmstore.ObjectStore.create({name!r}, capacity_bytes=1 << 20, n_readers=1)
+    r = shmstore.ObjectStore.attach({name!r}, reader=0)
+    try:
+        for i in range(50):
+            h = w.put(f"k{{i}}", np.full(50_000, i, np.int32), timeout=1)
+            assert int(r.get(h)[0]) == i
+        s = w.stats()
+        assert s.reader_lag == (0,) and s.evictions > 0, s
+    finally:
+        r.close(); w.close()
+    # another process, a queue of 4 slots: every put waits for the reader, every get for the
+    # writer, so both sides sleep on doorbells and wake through the handshake of shm/_wait.py
+    q = BroadcastQueue.create({name!r} + "-q", 1, n_slots=4)
+    p = mp.get_context("spawn").Process(target=reader, args=(q.name,))
+    p.start()
+    try:
+        q.wait_for_readers(20)
+        for i in range(300):
+            q.put(i, timeout=30)
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    finally:
+        q.close()
     print("ok")
-finally:
-    r.close(); w.close()
 """
 
 
-@pytest.mark.skipif(ctypes.util.find_library("atomic") is None, reason="libatomic not installed")
-def test_libatomic_path_round_trips() -> None:
-    env = {**os.environ, "SHMSTORE_ORDERING": "libatomic"}
-    out = subprocess.run([sys.executable, "-c", CODE.format(name=new_name("atomic"))],
-                         env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+def run_with_ordering(ordering: str, code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` as a script file (spawned children import its functions) in a child process."""
+    env = {**os.environ, "SHMSTORE_ORDERING": ordering}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "ordering_child.py"
+        script.write_text(code)
+        return subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+
+def compiled_built() -> bool:
+    return importlib.util.find_spec("shmstore.shm._atomic") is not None
+
+
+ORDERINGS = [
+    pytest.param("compiled", marks=pytest.mark.skipif(not compiled_built(),
+                                                      reason="shm/_atomic.c was not built")),
+    pytest.param("libatomic", marks=pytest.mark.skipif(ctypes.util.find_library("atomic") is None,
+                                                       reason="libatomic not installed")),
+    pytest.param("plain", marks=pytest.mark.skipif(platform.machine() != "x86_64",
+                                                   reason="plain ordering is for x86-64 only")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ordering", ORDERINGS)
+def test_every_ordering_path_round_trips_across_processes(ordering: str) -> None:
+    out = run_with_ordering(ordering, CODE.format(name=new_name("atomic"), ordering=ordering))
+    assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
 
-def test_values_wrap_at_64_bits_instead_of_raising() -> None:
+def test_the_compiled_module_is_the_default_where_it_was_built() -> None:
+    """CI builds it (a C compiler is there): a build that silently lost it would leave every
+    call paying ctypes' cost, so its absence fails here rather than going unnoticed."""
+    if "SHMSTORE_ORDERING" in os.environ:
+        pytest.skip("SHMSTORE_ORDERING is set for this run")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler here: the pure-Python fallback is the expected default")
+    from shmstore.shm import _ordering
+
+    assert compiled_built(), "shm/_atomic.c was not built: run `pip install -e .` again"
+    assert _ordering.ORDERING == "compiled" and _ordering.FULL_FENCE
+
+
+def test_without_the_compiled_module_it_falls_back_and_insisting_on_it_says_how_to_fix() -> None:
+    hide = ("import sys; sys.modules['shmstore.shm._atomic'] = None\n"  # as if never built
+            "import shmstore.shm._ordering as o\n")
+    fallback = run_with_ordering("", hide + "print(o.ORDERING, o.FULL_FENCE)")
+    assert fallback.returncode == 0, fallback.stderr
+    expected = "plain" if platform.machine() == "x86_64" else "libatomic"
+    assert fallback.stdout.split()[0] == expected
+    insisted = run_with_ordering("compiled", hide)
+    assert insisted.returncode != 0
+    assert "ImportError" in insisted.stderr and "C compiler" in insisted.stderr
+
+
+def make_words(kind: str, mapping: mmap.mmap) -> Words:
+    if kind == "compiled":
+        if not compiled_built():
+            pytest.skip("shm/_atomic.c was not built")
+        from shmstore.shm._atomic import Words as CompiledWords
+
+        return CompiledWords(mapping)
+    return OrderedWords(mapping)
+
+
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_values_wrap_at_64_bits_instead_of_raising(kind: str) -> None:
     """A counter loaded from damaged memory may be 2**64 - 1; the next store must not raise."""
-    import mmap
-
-    from shmstore.shm._ordering import OrderedWords
-
     mapping = mmap.mmap(-1, 64)
-    words = OrderedWords(mapping)
+    words = make_words(kind, mapping)
     try:
         words.store_release(0, 2**64 - 1 + 1)
         assert words.load_acquire(0) == 0
@@ -53,3 +139,89 @@ def test_values_wrap_at_64_bits_instead_of_raising() -> None:
     finally:
         words.release()
         mapping.close()
+
+
+def test_compiled_words_refuse_every_offset_outside_or_between_words() -> None:
+    """An offset computed from damaged bytes raises; it never touches memory past the mapping."""
+    mapping = mmap.mmap(-1, 64)
+    words = make_words("compiled", mapping)
+    try:
+        calls = [(words.load_acquire, ()), (words.store_release, (1,)), (words.exchange, (1,)),
+                 (words.compare_exchange, (0, 1))]
+        for offset in (-8, -1, 1, 7, 60, 64, 2**40, 2**70):
+            for call, rest in calls:
+                with pytest.raises((IndexError, OverflowError)):
+                    call(offset, *rest)  # type: ignore[operator]
+        words.store_release(56, 2**64 - 1)
+        assert words.load_acquire(56) == 2**64 - 1 and words.load_acquire(0) == 0
+        with pytest.raises(TypeError):
+            words.store_release(0, "1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            words.exchange(0)  # type: ignore[call-arg]
+        assert words.load_acquire(0) == 0  # nothing was written by the refused calls
+    finally:
+        words.release()
+        mapping.close()
+
+
+def test_compiled_words_hold_the_mapping_open_until_released_and_fail_loudly_after() -> None:
+    mapping = mmap.mmap(-1, 64)
+    words = make_words("compiled", mapping)
+    with pytest.raises(BufferError):
+        mapping.close()  # exported: the words could otherwise touch unmapped memory
+    words.release()
+    words.release()  # idempotent
+    mapping.close()
+    with pytest.raises(ValueError, match="released"):
+        words.load_acquire(0)
+    with pytest.raises(ValueError, match="released"):
+        words.exchange(0, 1)
+    with pytest.raises(BufferError):
+        make_words("compiled", b"read-only bytes")  # type: ignore[arg-type]
+
+
+INCREMENTS = """
+import mmap, sys
+import shmstore.shm._ordering as o
+fd = int(sys.argv[1])
+mapping = mmap.mmap(fd, 64)
+words = o.ordered_words(mapping)
+while True:  # both processes start counting together
+    ready = words.load_acquire(24)
+    if words.compare_exchange(24, ready, ready + 1):
+        break
+while words.load_acquire(24) < 2:
+    pass
+done = 0
+while done < {n}:
+    old = words.load_acquire(0)
+    if words.compare_exchange(0, old, old + 1):
+        done += 1
+words.exchange(8 * int(sys.argv[2]), done)
+words.release(); mapping.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ordering", ORDERINGS)
+def test_compare_exchange_loses_no_increment_between_processes(ordering: str, tmp_path: Path) -> None:
+    """Two processes add 50,000 each to one word with compare_exchange, starting together:
+    exactly 100,000 land (a compare then store that is not atomic loses some)."""
+    n = 50_000
+    path = tmp_path / "words"
+    path.write_bytes(bytes(64))
+    with open(path, "r+b") as f:
+        env = {**os.environ, "SHMSTORE_ORDERING": ordering}
+        procs = [subprocess.Popen([sys.executable, "-c", INCREMENTS.format(n=n), str(f.fileno()),
+                                   str(i + 1)], env=env, pass_fds=(f.fileno(),),
+                                  stderr=subprocess.PIPE, text=True) for i in range(2)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+        mapping = mmap.mmap(f.fileno(), 64)
+        words = OrderedWords(mapping)
+        try:
+            assert [words.load_acquire(o) for o in (0, 8, 16, 24)] == [2 * n, n, n, 2]
+        finally:
+            words.release()
+            mapping.close()
