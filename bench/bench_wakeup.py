@@ -29,6 +29,7 @@ import contextlib
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shmstore import BroadcastQueue
@@ -61,6 +62,17 @@ def put_after_idle() -> dict[float, float]:
         return costs
     finally:
         q.close()
+
+
+def paced_sends(n: int, gap: float, warm: float, send: Callable[[], object]) -> list[float]:
+    """Call `send` n times, `gap` s apart (busy `warm` s before each); return when each began."""
+    sent = []
+    for _ in range(n):
+        time.sleep(gap)
+        busy(warm)
+        sent.append(time.perf_counter())
+        send()
+    return sent
 
 
 def exchange_after_idle() -> dict[str, float]:
@@ -165,12 +177,7 @@ def iceoryx2_floor(n: int, gap: float, warm: float, ctx: Any) -> list[float] | N
         try:
             ready.get(timeout=60)
             time.sleep(0.5)
-            sent = []
-            for _ in range(n):
-                time.sleep(gap)
-                busy(warm)
-                sent.append(time.perf_counter())
-                notifier.notify()
+            sent = paced_sends(n, gap, warm, notifier.notify)
             got = out.get(timeout=120)
         finally:
             p.join(60)
@@ -231,12 +238,7 @@ def main() -> None:
     p.start()
     try:
         time.sleep(1.0)
-        sent = []
-        for _ in range(n):
-            time.sleep(gap)
-            busy(warm)
-            sent.append(time.perf_counter())
-            sem.release()
+        sent = paced_sends(n, gap, warm, sem.release)
         got = out.get(timeout=120)
     finally:
         p.join(60)
