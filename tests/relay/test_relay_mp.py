@@ -161,8 +161,11 @@ def test_every_reader_on_every_node_gets_every_value_each_object_crossing_once(
         want = expected(plan)
         for out in [local, *outs_b, *outs_c]:
             got = result(out)
-            assert got["bad"] == 0 and got["how"] == "closed", out
-            assert got["received"] == want, out
+            tag = Path(out).name.split("-r")[0]  # nodeB-r0.json: relay nodeB's log
+            why = (out, len(got["received"]), len(want),
+                   cluster.log(tag)[-3000:] if tag != "local.json" else "")
+            assert got["bad"] == 0 and got["how"] == "closed", why
+            assert got["received"] == want, why
     # on the wire to each node: each distinct object's body once, every inline value, and at
     # most 48 bytes of header per message (a REF is 33) plus handshake and PINGs; that slack
     # (116 kB here) is less than the smallest object (150 kB), so a second copy would not fit

@@ -167,11 +167,7 @@ def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server)
     for t in longs:
         t.start()
     time.sleep(0.3)
-    try:
-        aborted_before = server.metric("shmstore_vllm_settled_total", api_server="0",
-                                       reason="aborted")
-    except LookupError:  # no request was aborted yet
-        aborted_before = 0
+    aborted_before = server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted")
     leavers = [threading.Thread(target=run, args=(server.leave, 300 + i, one_long_s / 3),
                                 kwargs={"max_tokens": MAX_MODEL_LEN - 40, "ignore_eos": True})
                for i in range(3)]
@@ -189,10 +185,12 @@ def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server)
         inline.append(server.metric("shmstore_inline_fallbacks_total", api_server="0") - before)
     assert inline == [0, 0, 0]
     assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="refused") == 1
-    # hung up before a worker read their image: at least one (vLLM does not always keep the
-    # leavers behind the long requests, and one read before its client left settles nothing)
+    # hand-outs of leavers whose engine never read the image are settled as aborted: 0 to 3
+    # of them, depending on whether a leaver's request reached the engine before it hung up
+    # (the engine reads an image when the request arrives, queued or not). The path itself is
+    # held deterministically by test_vllm_engine.py, which aborts before the engine steps.
     aborted = server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted")
-    assert 1 <= aborted - aborted_before <= 3
+    assert 0 <= aborted - aborted_before <= 3
     assert server.metric("shmstore_withdrawn_total") >= 2
     assert server.chat(1)["choices"][0]["message"]["content"] == first  # same image, same text
     assert server.metric("shmstore_reader_lag", reader="0") == 0
