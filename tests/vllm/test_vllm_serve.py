@@ -185,10 +185,10 @@ def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server)
         inline.append(server.metric("shmstore_inline_fallbacks_total", api_server="0") - before)
     assert inline == [0, 0, 0]
     assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="refused") == 1
-    # hand-outs of leavers whose engine never read the image are settled as aborted: 0 to 3
-    # of them, depending on whether a leaver's request reached the engine before it hung up
-    # (the engine reads an image when the request arrives, queued or not). The path itself is
-    # held deterministically by test_vllm_engine.py, which aborts before the engine steps.
+    # hand-outs of leavers whose image no worker read are settled as aborted: 0 to 3 of them.
+    # vLLM does not always keep the leavers behind the long requests (0, 2 and 3 in three
+    # runs), and one whose image a worker read before its client left settles nothing. The
+    # path itself is held deterministically by test_vllm_engine.py (aborts before any step).
     aborted = server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted")
     assert 0 <= aborted - aborted_before <= 3
     assert server.metric("shmstore_withdrawn_total") >= 2
