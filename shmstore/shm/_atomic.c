@@ -15,6 +15,12 @@
  *
  * Every offset is checked: a multiple of 8 inside the buffer (IndexError otherwise), so a word
  * offset computed from damaged bytes raises instead of touching memory outside the mapping.
+ *
+ * The GIL: exchange and compare_exchange let it go around the atomic instruction, as a ctypes
+ * call does. Holding it there made a relay publisher's heartbeat thread, in a vLLM process on
+ * two busy cores, go silent for over 3 s (its peer then reconnected and missed messages;
+ * tests/vllm/test_vllm_engine.py, twice in two runs); letting it go, as ctypes did, it did not.
+ * Loads and stores keep it, as the plain x86 path always did.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -97,7 +103,11 @@ words_exchange(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *word = word_at(self, args[0]);
     if (word == NULL || value_arg(args[1], &value) < 0)
         return NULL;
-    return PyLong_FromUnsignedLongLong(__atomic_exchange_n(word, value, __ATOMIC_SEQ_CST));
+    uint64_t old;
+    Py_BEGIN_ALLOW_THREADS  /* see "The GIL" above */
+    old = __atomic_exchange_n(word, value, __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(old);
 }
 
 static PyObject *
@@ -109,8 +119,11 @@ words_compare_exchange(WordsObject *self, PyObject *const *args, Py_ssize_t narg
     uint64_t *word = word_at(self, args[0]);
     if (word == NULL || value_arg(args[1], &expected) < 0 || value_arg(args[2], &value) < 0)
         return NULL;
-    int done = __atomic_compare_exchange_n(word, &expected, value, 0, __ATOMIC_SEQ_CST,
-                                           __ATOMIC_SEQ_CST);
+    int done;
+    Py_BEGIN_ALLOW_THREADS  /* see "The GIL" above */
+    done = __atomic_compare_exchange_n(word, &expected, value, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
     return PyBool_FromLong(done);
 }
 
