@@ -84,8 +84,8 @@ def exchange_after_idle() -> dict[str, float]:
 
     mapping = mmap.mmap(-1, 4096)
     paths: dict[str, Any] = {}
-    if _ordering.ORDERING == "compiled":
-        paths["compiled"] = _ordering.ordered_words(mapping)
+    if _ordering._compiled is not None:  # built, whether or not SHMSTORE_ORDERING opts in
+        paths["compiled"] = _ordering._compiled.Words(mapping)
     if _ordering.FULL_FENCE:  # the pure-Python words call libatomic through ctypes
         paths["ctypes"] = _ordering.OrderedWords(mapping)
     times: dict[str, list[float]] = {label: [] for label in paths}
