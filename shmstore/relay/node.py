@@ -39,6 +39,8 @@ on the wire) costs one round trip, never data:
     the Publisher drops the node and forgets its acknowledgements; the writer is not pinned and
     the other nodes go on. A relay that hears nothing for peer_timeout_s reconnects (scenario 4)
     and goes on with what comes next; what was sent meanwhile is lost on that node (counted).
+    Time a relay spends waiting on its own slow readers is not silence: it PINGs meanwhile, and
+    what the Publisher sent waits in its socket, read before silence is judged.
  7. Writer ends or dies. The Publisher's channel read says Closed or WriterGone; it sends END or
     GONE; each relay ends its local queue so its readers get Closed or WriterGone after the last
     message. A writer node that vanishes without a word: a relay with writer_timeout_s set
@@ -218,7 +220,8 @@ class Relay(Peer):
         self._connect()
         self._last_contact = time.monotonic()
         while not self._stop.is_set():
-            if self._sock.poll(int(self.heartbeat_s * 500)):
+            heard = self._sock.poll(int(self.heartbeat_s * 500))
+            if heard:
                 frames = self._sock.recv_multipart(copy=False)
                 self._last_heard = self._last_contact = time.monotonic()
                 self._bytes += sum(len(f.buffer) for f in frames)
@@ -240,7 +243,9 @@ class Relay(Peer):
             now = time.monotonic()
             if now - self._last_ping >= self.heartbeat_s:
                 self._say(pack(PING))
-            if now - self._last_heard > self.peer_timeout_s:
+            # silence only after a poll that found nothing: a delivery that waited on slow
+            # local readers did not read the socket, and what arrived meanwhile is queued there
+            if not heard and now - self._last_heard > self.peer_timeout_s:
                 if (self.writer_timeout_s is not None
                         and now - self._last_contact > self.writer_timeout_s):
                     log.warning("relay %r: no word from %s for %.1f s: reporting the writer "

@@ -25,11 +25,12 @@ from ._types import (
     MAX_DIM,
     MAX_NDIM,
     NUMPY_DTYPES,
+    TORCH_ITEMSIZES,
     import_torch,
     torch_dtype_table,
 )
 
-__all__ = ["decode"]
+__all__ = ["decode", "check_body"]
 
 
 class _TupleMark:
@@ -40,8 +41,10 @@ _TUPLE_MARK = _TupleMark()
 
 
 class _Decoder:
-    def __init__(self, body: memoryview, copy: bool, pin_memory: bool = False) -> None:
+    def __init__(self, body: memoryview, copy: bool, pin_memory: bool = False,
+                 build: bool = True) -> None:
         self.body = body
+        self.build = build  # False: check every extension, build no array (and import nothing)
         self.copy = copy
         self.pin_memory = pin_memory
         self.table: list[tuple[int, int]] = []
@@ -60,6 +63,8 @@ class _Decoder:
             if dtype is None:
                 raise CorruptObject(f"array dtype {dtype_str!r} is not one shmstore writes")
             offset, count = self.buffer(index, shape, dtype.itemsize)
+            if not self.build:
+                return None
             if count == 0:
                 return np.empty(shape, dtype=dtype)
             arr = np.frombuffer(self.body, dtype=dtype, count=count, offset=offset).reshape(shape)
@@ -69,6 +74,12 @@ class _Decoder:
             return arr
         if code == EXT_TENSOR:
             name, shape, index = self.meta(data, 3)
+            if not self.build:
+                size = TORCH_ITEMSIZES.get(name) if type(name) is str else None
+                if size is None:
+                    raise CorruptObject(f"tensor dtype {name!r} is not one shmstore writes")
+                self.buffer(index, shape, size)
+                return None
             entry = torch_dtype_table().get(name) if type(name) is str else None
             if entry is None:
                 raise CorruptObject(f"tensor dtype {name!r} is not one shmstore writes")
@@ -147,6 +158,21 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
     Raises:
         CorruptObject: any length, offset, dtype or shape that does not fit the body.
     """
+    return _unpack(body, _Decoder(body, copy, pin_memory), expected_crc, crc_suffix)
+
+
+def check_body(body: memoryview) -> None:
+    """Make every check decode() makes on `body`, building no array or tensor and importing
+    nothing (torch's first import takes seconds: a relay must not stall on it).
+
+    Raises:
+        CorruptObject: as decode().
+    """
+    _unpack(body, _Decoder(body, copy=False, build=False), None, b"")
+
+
+def _unpack(body: memoryview, dec: _Decoder, expected_crc: int | None,
+            crc_suffix: bytes) -> Any:
     size = len(body)
     if size < BODY_HEADER.size:
         raise CorruptObject(f"object body is {size} bytes, shorter than its {BODY_HEADER.size}-byte "
@@ -164,7 +190,6 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
         if found != expected_crc:
             raise CorruptObject(f"object structure is damaged: CRC {found:#010x}, written as "
                                 f"{expected_crc:#010x}")
-    dec = _Decoder(body, copy, pin_memory)
     low = struct_end
     for i in range(n_buffers):
         offset, nbytes = BUFFER_ENTRY.unpack_from(body, BODY_HEADER.size + BUFFER_ENTRY.size * i)

@@ -10,8 +10,8 @@ import numpy as np
 
 __all__ = ["BODY_HEADER", "BUFFER_ENTRY", "BODY_MAGIC", "BUFFER_ALIGN_BYTES", "MAX_DEPTH",
            "MAX_NDIM", "MAX_DIM", "EXT_NDARRAY", "EXT_TENSOR", "EXT_TUPLE", "EXT_SCALAR",
-           "EXT_HANDLE", "NUMERIC_KINDS", "NUMPY_DTYPES", "TORCH_DTYPE_NAMES", "import_torch",
-           "torch_dtype_table", "is_tensor"]
+           "EXT_HANDLE", "NUMERIC_KINDS", "NUMPY_DTYPES", "TORCH_DTYPE_NAMES", "TORCH_ITEMSIZES",
+           "import_torch", "torch_dtype_table", "is_tensor"]
 
 BODY_HEADER = struct.Struct("<4sIQ")
 BUFFER_ENTRY = struct.Struct("<QQ")
@@ -35,11 +35,15 @@ for _code in ("?", "b", "B", "h", "H", "i", "I", "l", "L", "q", "Q", "e", "f", "
     for _dt in (np.dtype(_code), np.dtype(_code).newbyteorder()):
         NUMPY_DTYPES[_dt.str] = _dt
 
-TORCH_DTYPE_NAMES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-)
+# Every torch dtype shmstore carries, with its item size: known without importing torch, so a
+# body can be checked (a relay storing what it received) where torch is slow to import or absent.
+TORCH_ITEMSIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2,
+    "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
+TORCH_DTYPE_NAMES = tuple(TORCH_ITEMSIZES)
 _torch_dtypes: dict[str, tuple[Any, int]] | None = None  # name -> (dtype, itemsize), lazily
 
 

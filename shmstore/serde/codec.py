@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import NotSerializable
 from ..handle import Handle
-from ._decode import decode
+from ._decode import check_body, decode
 from ._types import (
     BODY_HEADER,
     BODY_MAGIC,
@@ -312,7 +312,8 @@ class Encoded:
 
 class Verbatim(Encoded):
     """A body already serialized (received from a relay, or read with StoreReader.body), to be
-    written as it is: checked once by decode, never decoded and encoded again, so whatever
+    written as it is: checked once with every check of decode (check_body), never decoded and
+    encoded again, so whatever
     decode accepts can be stored (even what encode would refuse to make, such as nesting
     deeper than MAX_DEPTH). Holds `body` until written.
 
@@ -323,7 +324,7 @@ class Verbatim(Encoded):
     __slots__ = ("_body",)
 
     def __init__(self, body: memoryview) -> None:
-        decode(body, copy=False)  # every count, offset, dtype and shape checked; nothing copied
+        check_body(body)  # every count, offset, dtype and shape; nothing copied or imported
         _, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
         struct_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers + struct_bytes
         super().__init__(bytes(body[:struct_end]), [], len(body))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 import struct
+import subprocess
+import sys
 
 import msgpack
 import numpy as np
@@ -12,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shmstore.serde._decode import check_body
 from shmstore.serde._types import NUMPY_DTYPES as ALL_NUMPY_DTYPES
-from shmstore.serde._types import TORCH_DTYPE_NAMES
+from shmstore.serde._types import TORCH_DTYPE_NAMES, TORCH_ITEMSIZES
 from shmstore.serde.codec import (
     BODY_HEADER,
     BUFFER_ENTRY,
@@ -218,6 +221,8 @@ def test_corrupt_bodies_raise_corrupt_object(body: bytes) -> None:
         decode(memoryview(bytearray(body)), copy=True)
     with pytest.raises(CorruptObject):
         decode(memoryview(bytearray(body)), copy=False)
+    with pytest.raises(CorruptObject):
+        check_body(memoryview(bytearray(body)))
 
 
 SAMPLE = dumps({"pixel_values": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
@@ -233,11 +238,21 @@ def test_mutated_bodies_raise_corrupt_object_or_decode(data: st.DataObject) -> N
         body[i] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(body)))
     for candidate in (body, body[:cut]):
+        refused = []
         for copy in (True, False):
             try:
                 decode(memoryview(bytearray(candidate)), copy=copy)
             except CorruptObject:
-                pass
+                refused.append(True)
+            else:
+                refused.append(False)
+        try:
+            check_body(memoryview(bytearray(candidate)))
+        except CorruptObject:
+            refused.append(True)
+        else:
+            refused.append(False)
+        assert len(set(refused)) == 1, refused  # check_body accepts exactly what decode does
 
 
 @settings(max_examples=300, deadline=None)
@@ -262,6 +277,25 @@ json_like = st.recursive(
 @given(json_like)
 def test_plain_structures_roundtrip(obj: object) -> None:
     roundtrip(obj)
+
+
+def test_the_static_torch_item_sizes_are_torchs() -> None:
+    assert {n: getattr(torch, n).itemsize for n in TORCH_DTYPE_NAMES if hasattr(torch, n)} == {
+        n: s for n, s in TORCH_ITEMSIZES.items() if hasattr(torch, n)}
+    assert len(TORCH_DTYPES) >= 17  # the dtypes every torch 2.x has
+
+
+def test_checking_a_body_with_tensors_imports_nothing() -> None:
+    """A relay stores received bodies as Verbatim; torch's first import takes seconds on a busy
+    machine, and a relay that stalls that long misses its heartbeats and is dropped."""
+    body = dumps({"t": torch.arange(6, dtype=torch.bfloat16).view(2, 3),
+                  "a": np.ones(4, dtype=np.float32)})
+    script = ("import sys; from shmstore.serde.codec import Verbatim; "
+              "v = Verbatim(memoryview(sys.stdin.buffer.read())); "
+              "print(v.nbytes, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], input=body, capture_output=True,
+                          timeout=60, check=True)
+    assert done.stdout.decode().split() == [str(len(body)), "False"]
 
 
 def test_verbatim_writes_a_checked_body_byte_for_byte_and_refuses_a_damaged_one() -> None:
