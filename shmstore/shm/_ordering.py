@@ -19,15 +19,13 @@ through libatomic's `__atomic_store_8` / `__atomic_load_8` with `__ATOMIC_RELEAS
 a message saying to install it (it ships with gcc, package libatomic1 on Debian/Ubuntu).
 
 Where the optional compiled module shm/_atomic.c was built at install (a C compiler was there),
-`SHMSTORE_ORDERING=compiled` sends every word through it instead (opt-in, see below): the same
-orders from GCC's `__atomic` builtins, one C call each, with every offset bounds-checked. A ctypes call costs
-about 1 us warm and tens of microseconds right after an idle period, when every page it touches
-misses the caches; the compiled call is several times cheaper in both cases (docs/performance.md).
+every word goes through it instead (the default): the same orders from GCC's `__atomic`
+builtins, one C call each, with every offset bounds-checked. A ctypes call costs about 1 us warm
+and tens of microseconds right after an idle period, when every page it touches misses the
+caches; the compiled call is several times cheaper in both cases (docs/performance.md).
 
 `SHMSTORE_ORDERING=libatomic` (or `plain`, on x86) forces a pure-Python path (the tests run
-each); `compiled` insists on the module. The default is the pure-Python path: with the compiled
-words a relay publisher's heartbeat thread in a busy vLLM process went silent for 3 s in a test,
-a cause not found yet (docs/performance.md).
+each); `compiled` insists on the module. Without the module the default is the pure-Python path.
 
 A sleeping reader and a waking writer need more: a store followed by a load of another word
 (Dekker's pattern: "I am asleep" then "is there a message?", against "here is a message" then
@@ -69,10 +67,9 @@ def _choose_ordering() -> str:
                           "or unset SHMSTORE_ORDERING")
     if forced in ("plain", "libatomic", "compiled"):
         return forced
-    # Opt-in for now: with it, the two-node TP engine test's relay heartbeat went silent for 3 s
-    # on a busy 2-core machine (3 runs of 4), and not with the pure-Python words.
+    if _compiled is not None:
+        return "compiled"
     return "plain" if platform.machine().lower() in _TSO_MACHINES else "libatomic"
-
 
 ORDERING = _choose_ordering()
 _libatomic: ctypes.CDLL | None = None
