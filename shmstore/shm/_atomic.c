@@ -16,11 +16,9 @@
  * Every offset is checked: a multiple of 8 inside the buffer (IndexError otherwise), so a word
  * offset computed from damaged bytes raises instead of touching memory outside the mapping.
  *
- * The GIL: exchange and compare_exchange let it go around the atomic instruction, as a ctypes
- * call does. Holding it there made a relay publisher's heartbeat thread, in a vLLM process on
- * two busy cores, go silent for over 3 s (its peer then reconnected and missed messages;
- * tests/vllm/test_vllm_engine.py, twice in two runs); letting it go, as ctypes did, it did not.
- * Loads and stores keep it, as the plain x86 path always did.
+ * The GIL: every call keeps it, so release() (from another thread) never runs while an
+ *   access is under way: a word is never touched after its mapping may have closed. Each access
+ *   is one instruction; letting the GIL go around it would cost more than the access.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -103,11 +101,7 @@ words_exchange(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *word = word_at(self, args[0]);
     if (word == NULL || value_arg(args[1], &value) < 0)
         return NULL;
-    uint64_t old;
-    Py_BEGIN_ALLOW_THREADS  /* see "The GIL" above */
-    old = __atomic_exchange_n(word, value, __ATOMIC_SEQ_CST);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(old);
+    return PyLong_FromUnsignedLongLong(__atomic_exchange_n(word, value, __ATOMIC_SEQ_CST));
 }
 
 static PyObject *
@@ -119,11 +113,8 @@ words_compare_exchange(WordsObject *self, PyObject *const *args, Py_ssize_t narg
     uint64_t *word = word_at(self, args[0]);
     if (word == NULL || value_arg(args[1], &expected) < 0 || value_arg(args[2], &value) < 0)
         return NULL;
-    int done;
-    Py_BEGIN_ALLOW_THREADS  /* see "The GIL" above */
-    done = __atomic_compare_exchange_n(word, &expected, value, 0, __ATOMIC_SEQ_CST,
-                                       __ATOMIC_SEQ_CST);
-    Py_END_ALLOW_THREADS
+    int done = __atomic_compare_exchange_n(word, &expected, value, 0, __ATOMIC_SEQ_CST,
+                                           __ATOMIC_SEQ_CST);
     return PyBool_FromLong(done);
 }
 
