@@ -241,10 +241,10 @@ class Publisher(Peer):
                 self._lost += 1
                 self._broadcast([pack(LOST, self._msg_no)])
             except Closed:
-                self._broadcast([pack(END)])
+                self._finish(pack(END))
                 return "end"
             except WriterGone as exc:
-                self._broadcast([pack(GONE, exc.writer_pid)])
+                self._finish(pack(GONE, exc.writer_pid))
                 return "gone"
         return "closed"
 
@@ -411,6 +411,21 @@ class Publisher(Peer):
                 return
         self._lost += 1
         self._send(node, [pack(LOST, number)])
+
+    def _finish(self, last: bytes) -> None:
+        """The channel ended: serve the nodes until each has acknowledged every message (one
+        may still NEED a body), then send `last` (END or GONE). A node that stops making
+        progress is dropped by _heartbeat as always, and stop() ends the wait; so does
+        ack_timeout_s. Returning at once would leave the tail in the socket's queue, which a
+        close within LINGER_MS of a slow link drops."""
+        give_up = time.monotonic() + self.ack_timeout_s
+        while (not self._stop.is_set() and time.monotonic() < give_up
+               and any(n.acked < self._msg_no for n in self._nodes.values())):
+            self._sock.poll(int(POLL_S * 1000))
+            self._receive()
+            self._heartbeat()
+            self._release()
+        self._broadcast([last])
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

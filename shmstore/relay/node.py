@@ -41,10 +41,11 @@ on the wire) costs one round trip, never data:
     and goes on with what comes next; what was sent meanwhile is lost on that node (counted).
     Time a relay spends waiting on its own slow readers is not silence: it PINGs meanwhile, and
     what the Publisher sent waits in its socket, read before silence is judged.
- 7. Writer ends or dies. The Publisher's channel read says Closed or WriterGone; it sends END or
-    GONE; each relay ends its local queue so its readers get Closed or WriterGone after the last
-    message. A writer node that vanishes without a word: a relay with writer_timeout_s set
-    reports WriterGone once it has heard nothing that long.
+ 7. Writer ends or dies. The Publisher's channel read says Closed or WriterGone; it serves the
+    nodes until each acknowledged every message (answering NEEDs), for at most ack_timeout_s,
+    then sends END or GONE; each relay ends its local queue so its readers get Closed or
+    WriterGone after the last message. A writer node that vanishes without a word: a relay
+    with writer_timeout_s set reports WriterGone once it has heard nothing that long.
 
 Security: the Publisher binds one explicit address (a wildcard such as tcp://*:5555 or
 0.0.0.0 needs allow_wildcard=True). With CurveZMQ keys (CurveKeys, `shmstore relay keygen`)

@@ -140,6 +140,43 @@ def test_ref_for_an_evicted_object_is_asked_for_again() -> None:
         n.close()
 
 
+def test_a_publisher_whose_writer_ends_serves_the_tail_before_end() -> None:
+    """The writer ends while a node is behind, and the node must still NEED a body (its small
+    store evicted it before the REF came). serve() returns only once every node acknowledged
+    every message; closing the Publisher right then loses nothing."""
+    n = Net(1, relay_capacity=600_000, window=8)
+    reader = n.readers[0]
+    keys = [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    got: list[int] = []
+    ended: list[BaseException] = []
+
+    def read_slowly() -> None:
+        time.sleep(0.5)  # the writer has ended by now; the node waits on this reader
+        for _ in keys:
+            got.append(reader.recv(timeout=10)["k"])
+        try:
+            reader.recv(timeout=10)
+        except BaseException as exc:  # what it was is the check
+            ended.append(exc)
+
+    thread = threading.Thread(target=read_slowly)
+    thread.start()
+    try:
+        send_keys(n.writer, keys)
+        n.writer.end()
+        assert n.publisher.result(timeout=20) == "end"
+        stats = n.publisher.stats()
+        assert [node.unacked for node in stats.nodes] == [0]  # the whole tail acknowledged
+        n.publisher.close()  # at once: nothing may still be on its way
+        thread.join(20)
+        assert got == keys
+        assert len(ended) == 1 and isinstance(ended[0], Closed)
+        assert n.relays[0].stats().needs > 0 and n.relays[0].stats().lost == 0
+    finally:
+        thread.join(20)
+        n.close()
+
+
 def test_end_reaches_remote_readers_as_closed(net: Net) -> None:
     send_keys(net.writer, [5])
     net.writer.end()
