@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
 import zmq
@@ -31,7 +30,6 @@ from ._peer import (
     DEFAULT_MAX_NODES,
     DEFAULT_PEER_TIMEOUT_S,
     DEFAULT_WINDOW,
-    MAX_HELD_IDS,
     POLL_S,
     AllowList,
     CurveKeys,
@@ -40,6 +38,7 @@ from ._peer import (
     check_endpoint,
     check_plaintext,
 )
+from ._state import NodeState, NodeStats, PublisherStats
 from ._wire import (
     ACK,
     BYE,
@@ -62,57 +61,6 @@ from ._wire import (
 __all__ = ["Publisher", "PublisherStats", "NodeStats"]
 
 log = logging.getLogger("shmstore.relay")
-
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStats:
-    """One connected node as the Publisher sees it."""
-
-    name: str
-    acked: int  # messages through this number are acknowledged
-    unacked: int  # messages sent and not yet acknowledged
-    held: int  # objects the Publisher believes the node holds
-    objects_sent: int  # bodies sent (OBJECT)
-    refs_sent: int  # REFs sent instead of a body
-    bytes_sent: int  # every frame to this node, headers included
-
-
-@dataclass(frozen=True, slots=True)
-class PublisherStats:
-    """A snapshot of a Publisher."""
-
-    endpoint: str
-    messages: int  # messages read from the channel
-    nodes: tuple[NodeStats, ...]
-    nodes_joined: int  # nodes that joined while none of their identity was connected
-    nodes_dropped: int  # silent for peer_timeout_s, too slow for ZeroMQ's queue, or gone
-    needs_served: int  # bodies sent again on a NEED
-    lost: int  # messages sent as LOST: cleared or damaged before they could be read
-    bad_messages: int  # dropped: not of this protocol, or a NEED for nothing it waits for
-    bytes_sent: int
-    nodes_refused: int = 0  # HELLOs turned away: max_nodes were connected
-
-
-@dataclass
-class _Node:
-    rid: bytes
-    name: str
-    acked: int
-    last_heard: float
-    identity: tuple[str, str | bytes] = ("name", "")  # its public key, or (plain) its name
-    since: int = 0  # its HELLO's connection time: the newest connection of a node stays
-    last_progress: float = 0.0  # when it last acknowledged something, or was caught up
-    answered: set[int] = field(default_factory=set)  # NEEDs answered while unacknowledged
-    held: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
-    objects_sent: int = 0
-    refs_sent: int = 0
-    bytes_sent: int = 0
-
-    def hold(self, object_id: bytes) -> None:
-        self.held[object_id] = None
-        if len(self.held) > MAX_HELD_IDS:
-            self.held.popitem(last=False)
 
 
 class Publisher(Peer):
@@ -178,7 +126,7 @@ class Publisher(Peer):
         except BaseException:
             self.close()
             raise
-        self._nodes: dict[bytes, _Node] = {}
+        self._nodes: dict[bytes, NodeState] = {}
         self._pending: deque[tuple[int, int, Handle]] = deque()  # (msg_no, handout, handle)
         # the one copy of each pending message's body that every node's queue shares (the
         # forward and every NEED answer): at most a window of them, dropped once all have it
@@ -288,7 +236,7 @@ class Publisher(Peer):
         for node in list(self._nodes.values()):
             self._send(node, frames)
 
-    def _send(self, node: _Node, frames: list[Any]) -> None:
+    def _send(self, node: NodeState, frames: list[Any]) -> None:
         try:
             self._sock.send_multipart([node.rid, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -372,7 +320,7 @@ class Publisher(Peer):
                         self.endpoint, name, len(self._nodes))
             return
         now = time.monotonic()
-        node = _Node(rid, name, self._msg_no, now, identity, since=since, last_progress=now)
+        node = NodeState(rid, name, self._msg_no, now, identity, since=since, last_progress=now)
         if epoch == self._reader.store_epoch:
             for object_id in held:
                 node.hold(object_id)
@@ -384,7 +332,7 @@ class Publisher(Peer):
                                self._reader.max_inline_bytes, self._reader.max_object_bytes,
                                self._msg_no + 1)])
 
-    def _need(self, node: _Node, number: int) -> None:
+    def _need(self, node: NodeState, number: int) -> None:
         assert self._reader is not None
         if number in node.answered:
             self._bad += 1  # asked for twice while unacknowledged: one body per NEED
@@ -441,7 +389,7 @@ class Publisher(Peer):
             self._last_ping = now
             self._broadcast([pack(PING)])
 
-    def _drop(self, node: _Node, why: str) -> None:
+    def _drop(self, node: NodeState, why: str) -> None:
         if self._nodes.pop(node.rid, None) is not None:
             self._dropped += 1
             log.warning("publisher %s: dropped node %r: %s", self.endpoint, node.name, why)

@@ -191,6 +191,8 @@ def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server)
     # path itself is held deterministically by test_vllm_engine.py (aborts before any step).
     aborted = server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted")
     assert 0 <= aborted - aborted_before <= 3
-    assert server.metric("shmstore_withdrawn_total") >= 2
+    # each settled hand-out no worker read (the refused one, the aborted ones) holds an object
+    # that the three rounds reached: withdrawn, not waited for
+    assert server.metric("shmstore_withdrawn_total") >= 1 + aborted - aborted_before
     assert server.chat(1)["choices"][0]["message"]["content"] == first  # same image, same text
     assert server.metric("shmstore_reader_lag", reader="0") == 0
