@@ -13,8 +13,13 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   copy of the budget, shared by all workers.
     shm-reinsert  the same ring with FIFO-reinsertion: an object hit since it was written is
                   copied forward instead of dropped (bytes copied are reported).
-    shm-freq      the same ring with the `freq` policy (the recommended kind): a 2-bit use
-                  count and a ghost list of evicted keys decide what is copied forward.
+    shm-freq      the same ring with the `freq` policy: a 2-bit use count and a ghost list of
+                  evicted keys decide what is copied forward.
+    shm-recency   the same ring with the `recency` policy: what was used within the last 0.7 of
+                  a ring pass is copied forward.
+    shm-adaptive  the same ring with the `adaptive` policy (the recommended kind): freq, reinsert
+                  and recency run as shadows on metadata, and the ring follows the one that has
+                  hit most lately.
     lru           mirrored LRU: the sender keeps keys and sizes in an LRU with the budget and sends
                   only the key on a hit; every worker keeps the values in its own process memory
                   in an LRU of the same budget, fed by the misses, so the mirrors stay in step.
@@ -45,7 +50,7 @@ from ..store.object_store import ObjectStore, StoreReader, StoreWriter
 __all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
            "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]
 
-CACHE_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "lru")
+CACHE_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "shm-recency", "shm-adaptive", "lru")
 PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
 PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
 PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it

@@ -16,22 +16,21 @@ check request by request that they agree with the real caches.
 from __future__ import annotations
 
 import zlib
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._proc import int_arg
-from ..shm.ring import RingWriter, place_chunk
+from ..shm.ring import RingWriter
 from ..shm.segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
 from ..store._layout import object_header_bytes
-from ..store.policy import make_policy
+from ..store.policy import EvictionPolicy, RingReplay, make_policy
 from .caches import ReceiverCache, SenderCache, _LruBytes
 
 __all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "replay_split", "route_index",
            "real_hits", "SIM_KINDS"]
 
-SIM_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "lru")
+SIM_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "shm-recency", "shm-adaptive", "lru")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,54 +111,30 @@ class RingSim(_Sim):
                  max_object_bytes: int | None = None) -> None:
         super().__init__(capacity_bytes)
         self.kind = f"shm-{policy}"
-        self._policy = make_policy(policy)
-        self._end = align_up(self.capacity_bytes)
+        end = align_up(self.capacity_bytes)
+        self._ring = RingReplay(make_policy(policy), end)
         self._header = object_header_bytes(n_readers)
-        largest = self._end - ALIGN_BYTES - self._header
+        largest = end - ALIGN_BYTES - self._header
         self.max_object_bytes = largest if max_object_bytes is None else min(max_object_bytes,
                                                                              largest)
-        self._chunks: deque[tuple[int, int, Hashable]] = deque()  # (address, bytes, key)
-        self._uses: dict[Hashable, int] = {}
-        self.evictions = self.bytes_reinserted = 0
 
-    def _place(self, chunk_bytes: int) -> int | None:
-        chunks = self._chunks
-        if not chunks:
-            return place_chunk(0, self._end, None, 0, chunk_bytes)
-        return place_chunk(0, self._end, chunks[0][0], chunks[-1][0] + chunks[-1][1], chunk_bytes)
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The policy object this replay runs (its state, e.g. adaptive's rule, is readable)."""
+        return self._ring.policy
 
     def request(self, key: Hashable, nbytes: int) -> bool:
-        uses = self._uses
-        if key in uses:
-            uses[key] = self._policy.hit(uses[key])
-            return self._count(nbytes, True)
-        if nbytes > self.max_object_bytes:
+        if key not in self._ring and nbytes > self.max_object_bytes:
             self.inline += 1
             return self._count(nbytes, False)
-        chunk_bytes = RingWriter.chunk_bytes_for(self._header + nbytes)
-        policy = self._policy
-        budget = policy.copy_budget(chunk_bytes)
-        while (address := self._place(chunk_bytes)) is None:  # the store's _make_room
-            _, old_bytes, old_key = self._chunks.popleft()
-            old_uses = uses.pop(old_key)
-            if policy.keep(old_uses, old_bytes, budget):
-                moved = self._place(old_bytes)
-                if moved is not None:
-                    self._chunks.append((moved, old_bytes, old_key))
-                    uses[old_key] = policy.kept(old_uses)
-                    budget -= old_bytes
-                    self.bytes_reinserted += old_bytes
-                    continue
-            self.evictions += 1
-            policy.evicted(old_key, len(uses))
-        self._chunks.append((address, chunk_bytes, key))
-        uses[key] = policy.admitted(key)
-        return self._count(nbytes, False)
+        hit = self._ring.request(key, RingWriter.chunk_bytes_for(self._header + nbytes))
+        return self._count(nbytes, hit)
 
     def stats(self) -> SimStats:
+        ring = self._ring
         return SimStats(self.kind, self.capacity_bytes, self.requests, self.hits,
-                        self.bytes_requested, self.bytes_hit, self.evictions, self.inline,
-                        self.bytes_reinserted)
+                        self.bytes_requested, self.bytes_hit, ring.evictions, self.inline,
+                        ring.bytes_reinserted)
 
 
 def make_sim(kind: str, capacity_bytes: int, n_readers: int) -> RingSim | LruSim:

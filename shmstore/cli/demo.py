@@ -35,7 +35,7 @@ MODEL_ID = "llava-style-demo"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--cache", choices=CACHE_KINDS, default="shm-freq", help="cache kind")
+    parser.add_argument("--cache", choices=CACHE_KINDS, default="shm-adaptive", help="cache kind")
     parser.add_argument("--cache-gb", type=float, default=0.25, help="cache budget in GB")
     parser.add_argument("--requests", type=int, default=400, help="requests to send")
     parser.add_argument("--images", type=int, default=120, help="distinct images in the stream")

@@ -86,7 +86,8 @@ class ObjectStore:
             capacity_bytes: bytes of the ring that holds the objects.
             n_readers: how many readers must read each object before it can be reclaimed.
             max_object_bytes: largest serialized object accepted (default: what fits the ring).
-            policy: "fifo", "reinsert" or "freq" (store/policy.py; caches should use "freq").
+            policy: "fifo", "reinsert", "freq", "recency" or "adaptive" (store/policy.py;
+                caches should use "adaptive").
             mode: permission bits of the segment (0o600: this user only).
             prefault: map with MAP_POPULATE so puts take no page faults.
 

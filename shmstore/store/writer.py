@@ -84,6 +84,7 @@ class StoreWriter(HandOuts):
         super().__init__(ring)
         self._writer_ring = ring
         self._policy = policy
+        policy.start(ring.capacity_bytes)
         self._guard = CallGuard(f"store {self.name!r} (writer)", os.getpid())
         self._liveness = Liveness(self._table)
         self._ledger = ReaderLedger(self._words, self._table, self._liveness)
@@ -224,6 +225,7 @@ class StoreWriter(HandOuts):
                     raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
                                        "evicted or cleared): put it again", key)
                 self._hand_out(entry, done)
+                self._policy.requested(entry.key, entry.chunk.chunk_bytes)
                 entry.uses = self._policy.hit(entry.uses)
                 self._hits += 1
                 return entry.handle
@@ -416,6 +418,7 @@ class StoreWriter(HandOuts):
         self._by_seq[entry.chunk.seq] = entry
         self._index[entry.key] = entry
         entry.reserved = False
+        self._policy.requested(entry.key, entry.chunk.chunk_bytes)
         entry.uses = self._policy.admitted(entry.key)
         entry.live = True
         self._puts += 1

@@ -1,0 +1,163 @@
+"""The recency and adaptive eviction policies: their rules alone, in a store, and on traces."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmstore.cache.hitsim import RingSim, make_sim
+from shmstore.store.policy import (
+    DEFAULT_POLICY,
+    POLICY_IDS,
+    AdaptivePolicy,
+    RecencyPolicy,
+    RingReplay,
+    make_policy,
+)
+from tests._names import ObjectStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from traces import make_family, working_set_bytes
+
+KIB = 1024
+
+
+def test_the_default_is_adaptive_and_every_policy_has_its_own_id() -> None:
+    assert DEFAULT_POLICY == "adaptive"
+    assert POLICY_IDS == {1: "fifo", 2: "reinsert", 3: "freq", 4: "adaptive", 5: "recency"}
+
+
+def test_recency_keeps_what_was_used_within_the_horizon_of_a_pass() -> None:
+    p = RecencyPolicy()
+    fresh = p.admitted("fresh")
+    assert not p.keep(fresh, 100, 10_000)  # never hit: dropped, however young
+    hot = p.hit(fresh)
+    assert p.keep(hot, 100, 10_000)  # hit a moment ago
+    assert not p.keep(hot, 100, 99)  # the copy budget bounds it
+    moved = p.kept(hot)
+    assert moved & 0b11 == 0 and not p.keep(moved, 100, 10_000)  # the copy took its use
+    old = p.hit(p.admitted("old"))
+    written = [p.admitted(f"x{i}") for i in range(10)]
+    for i in range(10, 1000):  # 1,000 requests later, with passes of 10 requests
+        p.keep(written[i % 10], 100, 0)  # the object written 10 requests ago is at the tail
+        written[i % 10] = p.admitted(f"x{i}")
+    assert 8.5 < p.pass_ticks < 9.5  # the 10th object was written 9 requests ago
+    assert not p.keep(old, 100, 10_000)  # hit, but 100 passes ago
+    assert p.keep(p.hit(p.admitted("new")), 100, 10_000)
+    assert p.copy_budget(1000) == 64_000
+
+
+def test_recency_ticks_wrap_without_harm() -> None:
+    p = RecencyPolicy()
+    p._now = (1 << 40) - 2  # the tick field wraps after the next two requests
+    uses = p.hit(p.admitted("a"))
+    p._now += 5
+    assert p.keep(uses, 100, 10_000)  # age 5, not -2**40
+
+
+def _favouring(rule: str) -> list[tuple[str, int]]:
+    """A trace on which `rule` hits more than its rivals, through a ring of 10 objects of 1 KiB.
+
+    recency: 10 live keys asked for in turn, each replaced by a new key after its third
+    request (freq keeps the finished ones three passes); freq: 3 hot keys asked for in turn
+    with 4 one-time keys after each (a hot key comes back after 1.5 passes: only freq's ghosts
+    and 2-bit counts keep it)."""
+    trace: list[tuple[str, int]] = []
+    if rule == "recency":
+        keys = [f"s{i}" for i in range(10)]
+        for turn in range(1200):
+            for j in range(10):
+                trace.append((keys[j], KIB))
+                if turn % 3 == 2:
+                    keys[j] = f"s{turn}-{j}"
+    else:
+        for i in range(2400):
+            trace.append((f"hot{i % 3}", KIB))
+            trace += [(f"once{i}-{j}", KIB) for j in range(4)]
+    return trace
+
+
+@pytest.mark.parametrize("rule", ["recency", "freq"])
+def test_adaptive_follows_the_rival_that_hits_most(rule: str) -> None:
+    trace = _favouring(rule)
+    capacity = 11 * (KIB + 256)
+    sims = {kind: make_sim(kind, capacity, 2) for kind in
+            ("shm-adaptive", "shm-freq", "shm-reinsert", "shm-recency")}
+    for key, nbytes in trace:
+        for sim in sims.values():
+            sim.request(key, nbytes)
+    adaptive = sims["shm-adaptive"]
+    assert isinstance(adaptive, RingSim) and isinstance(adaptive.policy, AdaptivePolicy)
+    assert adaptive.policy.rule == rule
+    ratios = {kind: sim.stats().hit_ratio for kind, sim in sims.items()}
+    best = max(ratios["shm-freq"], ratios["shm-reinsert"], ratios["shm-recency"])
+    assert ratios[f"shm-{rule}"] == best, ratios
+    assert ratios["shm-adaptive"] >= best - 0.02 and best > 0.1, ratios
+
+
+def test_adaptive_switches_when_the_workload_does_and_clear_forgets() -> None:
+    replay = RingReplay(make_policy("adaptive"), 11 * (KIB + 256))
+    policy = replay.policy
+    assert isinstance(policy, AdaptivePolicy)
+    seen = []
+    for phase in ("freq", "recency", "freq"):  # 12,000 requests each
+        for key, nbytes in _favouring(phase):
+            replay.request(key, nbytes + 256)
+        seen.append(policy.rule)
+    assert seen == ["freq", "recency", "freq"] and policy.switches >= 2
+    assert policy.copy_budget(1000) == 4000  # freq's budget while freq's rule applies
+    replay.clear()
+    assert policy._scores == [0.0, 0.0, 0.0]
+    assert all(not list(s._uses) for s in policy._shadows)
+
+
+def test_adaptive_copying_is_bounded_per_put_by_the_rules_largest_budget() -> None:
+    trace = make_family("chat", 4000, seed=1)
+    capacity = working_set_bytes(trace) * 25 // 100
+    sim = make_sim("shm-adaptive", capacity, 2)
+    largest = 0
+    for key, nbytes in trace:
+        before = sim.stats().bytes_reinserted
+        sim.request(key, nbytes)
+        copied = sim.stats().bytes_reinserted - before
+        largest = max(largest, copied / (nbytes + 4096))
+    assert 0 < largest <= 64  # recency's budget: 64x the put's ring bytes
+    assert sim.stats().bytes_reinserted > 0
+
+
+def test_a_store_with_the_adaptive_policy_runs_its_shadows_on_every_put_and_hit(
+        name: str) -> None:
+    with ObjectStore.create(name, 40 * KIB, n_readers=0, policy="adaptive") as w:
+        assert w.policy == "adaptive"
+        policy = w._policy
+        assert isinstance(policy, AdaptivePolicy)
+        w.put("hot", np.zeros(8 * KIB, np.uint8))
+        w.get_cached("hot")
+        for i in range(12):
+            w.put(f"once-{i}", np.zeros(8 * KIB, np.uint8))
+            w.get_cached("hot")
+        for shadow in policy._shadows:
+            assert "hot" in shadow and shadow.capacity_bytes == w.capacity_bytes
+        assert w.is_cached("hot") and w.stats().reinsertions > 0
+        w.clear()
+        assert all("hot" not in shadow for shadow in policy._shadows)
+
+
+@pytest.mark.parametrize("family, pct, rival", [("chat", 25, "lru"), ("models", 10, "shm-freq")])
+def test_adaptive_is_near_the_better_of_lru_and_freq_where_they_differ_most(
+        family: str, pct: int, rival: str) -> None:
+    """Chat at 25% wants recency (freq is 2-3 points below LRU); models wants frequency (LRU
+    is 3 points below freq). Adaptive must be close to the winner on both."""
+    trace = [(k, n + 64) for k, n in make_family(family, 20_000, seed=0)]
+    capacity = working_set_bytes(trace) * pct // 100
+    sims = {kind: make_sim(kind, capacity, 2) for kind in ("shm-adaptive", "shm-freq", "lru")}
+    for key, nbytes in trace:
+        for sim in sims.values():
+            sim.request(key, nbytes)
+    ratio = {kind: sim.stats().hit_ratio for kind, sim in sims.items()}
+    loser = "shm-freq" if rival == "lru" else "lru"
+    assert ratio[rival] - ratio[loser] > 0.015, ratio  # the cell separates them
+    assert ratio["shm-adaptive"] >= ratio[rival] - 0.006, ratio
