@@ -72,6 +72,16 @@ def test_bench_hitrate_runs_every_column(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_bench_policy_goal_checks_every_cell(tmp_path: Path) -> None:
+    out = run_printing_script("bench_policy_goal.py", "--seeds", "0,1", "--requests", "1500",
+                              "--families", "zipf-0.8,chat", "--out", str(tmp_path))
+    assert "shm_adaptive:" in out and "of 16 cells below lru - 0.5" in out
+    rows = (tmp_path / "policy_goal.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 * 4 and "rule_at_end" in rows[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_bench_relay_runs(tmp_path: Path) -> None:
     data = run_script("bench_relay.py", "--items", "2", "--sizes", "1", tmp_path=tmp_path)
     methods = {row["method"] for row in data["rows"]}
