@@ -97,6 +97,7 @@ def run_family(family: str, n_requests: int) -> list[dict[str, Any]]:
             "fifo_minus_oracle_pp": 100 * (by_kind["shm-fifo"].hit_ratio - lcs["FIFO"]),
             "lru_minus_oracle_pp": 100 * (lru.hit_ratio - lcs["LRU"]),
             "freq_copied_per_request": freq.bytes_reinserted / len(trace),
+            "adaptive_copied_per_request": adaptive.bytes_reinserted / len(trace),
             "freq_copied_per_put_max_ratio": (freq.bytes_reinserted / puts / ws * len(
                 {k for k, _ in trace}) if puts else 0.0),
             "freq_byte_hit_ratio": freq.byte_hit_ratio, "lru_byte_hit_ratio": lru.byte_hit_ratio,
@@ -134,7 +135,7 @@ def main() -> None:
                   f"{row['libcachesim_fifo']:7.3f} {row['libcachesim_lru']:6.3f} "
                   f"{row['libcachesim_s3fifo']:6.3f} {row['libcachesim_sieve']:5.3f} | "
                   f"{row['adaptive_minus_lru_pp']:+6.2f} {'ok' if goal_met(row) else 'MISS':>4} "
-                  f"{row['freq_copied_per_request'] / 1e6:8.2f}MB "
+                  f"{row['adaptive_copied_per_request'] / 1e6:8.2f}MB "
                   f"{row['fifo_minus_oracle_pp']:+6.2f} {row['lru_minus_oracle_pp']:+5.2f}",
                   flush=True)
     missed = [f"{r['family']} {r['cache_pct']}%" for r in rows if not goal_met(r)]
