@@ -6,8 +6,8 @@ Each family of bench/traces.py is replayed (shmstore.cache.hitsim) as N front en
 the requests in turn, as the kernel spreads connections over vLLM's API servers. Columns, at
 each cache size (1, 5, 10, 25% of the working set, the budget B):
 
-    shared freq      one shmstore store of B on the node (shm-freq), every front end's hits
-    separate freq    N rings of B/N, one per front end: the same memory, no sharing
+    shared           one shmstore store of B on the node (shm-adaptive, the default), every front end's hits
+    separate         N adaptive rings of B/N, one per front end: the same memory, no sharing
     separate lru     N LRU caches of B/N: vLLM's processor caches at the same total memory
     lru N x B        N LRU caches of B each: vLLM's default (each API server gets the whole
                      mm_processor_cache_gb), N times the memory
@@ -42,16 +42,16 @@ def run_family(family: str, n_requests: int, frontends: list[int], seed: int) ->
     trace = [(key, size + MSGPACK_OVERHEAD) for key, size in make_family(family, n_requests, seed)]
     ws = working_set_bytes(trace)
     budgets = [ws * pct // 100 for pct in PERCENTS]
-    shared = replay(trace, ["shm-freq"], budgets, N_READERS)
+    shared = replay(trace, ["shm-adaptive"], budgets, N_READERS)
     rows = []
     for n in frontends:
         turns = [i % n for i in range(len(trace))]
-        split = replay_split(trace, turns, n, ["shm-freq", "lru"], budgets, N_READERS)
+        split = replay_split(trace, turns, n, ["shm-adaptive", "lru"], budgets, N_READERS)
         whole = replay_split(trace, turns, n, ["lru"], [b * n for b in budgets], N_READERS)
         for i, pct in enumerate(PERCENTS):
             rows.append({"family": family, "seed": seed, "frontends": n, "cache_pct": pct,
-                         "shared_freq": shared[i].hit_ratio,
-                         "separate_freq": split[2 * i].hit_ratio,
+                         "shared_adaptive": shared[i].hit_ratio,
+                         "separate_adaptive": split[2 * i].hit_ratio,
                          "separate_lru": split[2 * i + 1].hit_ratio,
                          "lru_n_times_memory": whole[i].hit_ratio})
     return rows
@@ -74,7 +74,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"request hit ratio, {n_requests} requests per family (scan: 30,000), seed {args.seed}; "
           "front ends take requests in turn")
-    print(f"{'family':>9} {'N':>2} {'size':>4} | {'shared freq':>11} {'separate freq':>13} "
+    print(f"{'family':>9} {'N':>2} {'size':>4} | {'shared adap':>11} {'separate adap':>13} "
           f"{'separate lru':>12} {'lru N x B':>9} | {'shared - separate lru':>21}")
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -82,9 +82,9 @@ def main() -> None:
         for row in run_family(family, n_requests, frontends, args.seed):
             rows.append(row)
             print(f"{family:>9} {row['frontends']:>2} {row['cache_pct']:>3}% | "
-                  f"{row['shared_freq']:11.3f} {row['separate_freq']:13.3f} "
+                  f"{row['shared_adaptive']:11.3f} {row['separate_adaptive']:13.3f} "
                   f"{row['separate_lru']:12.3f} {row['lru_n_times_memory']:9.3f} | "
-                  f"{100 * (row['shared_freq'] - row['separate_lru']):+18.1f} pt", flush=True)
+                  f"{100 * (row['shared_adaptive'] - row['separate_lru']):+18.1f} pt", flush=True)
     with open(out / "frontends.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

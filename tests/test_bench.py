@@ -148,4 +148,4 @@ def test_bench_frontends_prints_shared_against_separate(tmp_path: Path) -> None:
                               "--frontends", "2", "--out", str(tmp_path))
     assert "shared - separate lru" in out and "zipf-0.8  2  25%" in out
     rows = list(csv.DictReader(open(tmp_path / "frontends.csv")))
-    assert len(rows) == 4 and all(float(r["shared_freq"]) > float(r["separate_lru"]) for r in rows)
+    assert len(rows) == 4 and all(float(r["shared_adaptive"]) > float(r["separate_lru"]) for r in rows)
