@@ -12,7 +12,7 @@ Every metric carries a `segment` label (the store's name); per-reader ones also 
     shmstore_evictions_total            objects dropped to make room or by clear()
     shmstore_give_backs_total           hand-outs taken back unread
     shmstore_full_events_total          puts that found the oldest object still owed
-    shmstore_reinsertions_total         objects copied forward by the reinsert or freq policy
+    shmstore_reinsertions_total         objects copied forward by the policy (all but fifo)
     shmstore_reinserted_bytes_total     ring bytes those copies wrote
     shmstore_damaged_objects_total      objects dropped because shared memory was damaged
     shmstore_withdrawn_total            objects withdrawn while readers still owed reads
@@ -25,6 +25,8 @@ Every metric carries a `segment` label (the store's name); per-reader ones also 
     shmstore_bytes_in_use               ring bytes held by live objects
     shmstore_capacity_bytes             ring capacity
     shmstore_objects                    live objects
+    shmstore_policy_rule                1 for the eviction rule applied now (label rule: the
+                                        policy's name, or the rival `adaptive` follows)
     shmstore_reader_lag                 hand-outs each reader still owes (per reader)
     shmstore_corrupt_reads_total        objects each reader gave up on as damaged (per reader)
 
@@ -61,7 +63,7 @@ _COUNTERS = (
     ("evictions", "evictions", "Objects dropped to make room or by clear()"),
     ("give_backs", "give_backs", "Hand-outs taken back unread"),
     ("full_events", "full_events", "Puts that found the oldest object still owed to a reader"),
-    ("reinsertions", "reinsertions", "Objects copied forward by the reinsert or freq policy"),
+    ("reinsertions", "reinsertions", "Objects copied forward by the policy (all but fifo)"),
     ("reinserted_bytes", "bytes_reinserted", "Ring bytes written by reinsertions"),
     ("damaged_objects", "damaged_objects", "Objects dropped because shared memory was damaged"),
     ("withdrawn", "withdrawn", "Objects withdrawn while readers still owed reads"),
@@ -118,6 +120,10 @@ class StoreCollector:
             gauge = GaugeMetricFamily(f"shmstore_{name}", doc, labels=["segment"])
             gauge.add_metric(segment, getattr(stats, field))
             yield gauge
+        gauge = GaugeMetricFamily("shmstore_policy_rule", "1 for the eviction rule applied now",
+                                  labels=["segment", "rule"])
+        gauge.add_metric([*segment, stats.policy_rule], 1)
+        yield gauge
         lag = GaugeMetricFamily("shmstore_reader_lag", "Hand-outs each reader still owes",
                                 labels=["segment", "reader"])
         corrupt = CounterMetricFamily("shmstore_corrupt_reads",

@@ -38,6 +38,7 @@ def test_every_statistic_is_exported_and_follows_the_store(name: str) -> None:
         assert sample(registry, "shmstore_reader_lag", segment=name, reader="0") == 1
         assert sample(registry, "shmstore_reader_lag", segment=name, reader="1") == 2
         assert sample(registry, "shmstore_corrupt_reads_total", segment=name, reader="1") == 0
+        assert sample(registry, "shmstore_policy_rule", segment=name, rule="fifo") == 1
         unregister()
         assert sample(registry, "shmstore_puts_total", segment=name) is None
         unregister()  # twice is fine
@@ -134,3 +135,34 @@ def test_a_scrape_thread_reads_stats_while_the_writer_puts(name: str) -> None:
             off()
             reader.close()
     assert not errors, errors[:3]
+
+
+def test_the_rule_adaptive_follows_is_in_stats_and_metrics_as_it_changes(name: str) -> None:
+    """A store whose objects are used a few times and then never again (recency's case), then
+    a few hot objects among one-time ones (freq's): the rule shown follows, scrape by scrape."""
+    registry = prometheus_client.CollectorRegistry()
+    value = np.zeros(1000, np.uint8)
+    with ObjectStore.create(name, 11 * 1300, n_readers=0, policy="adaptive") as w:
+        unregister = register_store_metrics(w, registry)
+        assert w.stats().policy_rule == "freq"  # before any evidence: freq
+        keys = [f"s{j}" for j in range(10)]
+        for turn in range(1200):
+            for j in range(10):
+                if w.is_cached(keys[j]):
+                    w.get_cached(keys[j])
+                else:
+                    w.put(keys[j], value)
+                if turn % 3 == 2:
+                    keys[j] = f"s{turn}-{j}"
+        assert w.stats().policy_rule == "recency"
+        assert sample(registry, "shmstore_policy_rule", segment=name, rule="recency") == 1
+        assert sample(registry, "shmstore_policy_rule", segment=name, rule="freq") is None
+        for i in range(2400):
+            for key in [f"hot{i % 3}"] + [f"once{i}-{j}" for j in range(4)]:
+                if w.is_cached(key):
+                    w.get_cached(key)
+                else:
+                    w.put(key, value)
+        assert w.stats().policy_rule == "freq" and w.stats().policy == "adaptive"
+        assert sample(registry, "shmstore_policy_rule", segment=name, rule="freq") == 1
+        unregister()

@@ -168,6 +168,7 @@ class StoreStats:
 
     name: str
     policy: str
+    policy_rule: str  # the rule applied now: the policy's name, or the rival adaptive follows
     capacity_bytes: int
     max_object_bytes: int
     n_readers: int
@@ -178,7 +179,7 @@ class StoreStats:
     evictions: int
     give_backs: int
     full_events: int
-    reinsertions: int  # objects copied forward instead of dropped (policies "reinsert", "freq")
+    reinsertions: int  # objects copied forward instead of dropped (every policy but fifo)
     bytes_reinserted: int  # ring bytes those copies wrote
     damaged_objects: int  # objects dropped because their header in shared memory was damaged
     withdrawn: int  # objects dropped by withdraw() while readers still owed reads

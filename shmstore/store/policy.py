@@ -60,6 +60,12 @@ class EvictionPolicy:
     budget_factor = 0  # one put may copy this many times its own ring bytes forward
     max_uses = 1
 
+    @property
+    def rule(self) -> str:
+        """The rule applied at the tail now: the policy's name, or for `adaptive` the rival
+        it follows."""
+        return self.name
+
     def copy_budget(self, chunk_bytes: int) -> int:
         """Bytes one put of `chunk_bytes` may spend copying old objects forward."""
         return self.budget_factor * chunk_bytes
@@ -315,7 +321,7 @@ class AdaptivePolicy(FreqPolicy):
 
     @property
     def rule(self) -> str:
-        """The rival whose rule is applied now."""
+        """The rival whose rule is applied now (read from any thread: one attribute)."""
         return self.rivals[self.mode]
 
     def start(self, capacity_bytes: int) -> None:

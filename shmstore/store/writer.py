@@ -335,7 +335,8 @@ class StoreWriter(HandOuts):
         table = self._table
         words = self._words
         return StoreStats(
-            name=self.name, policy=self.policy, capacity_bytes=self.capacity_bytes,
+            name=self.name, policy=self.policy, policy_rule=self._policy.rule,
+            capacity_bytes=self.capacity_bytes,
             max_object_bytes=self.max_object_bytes, n_readers=self.n_readers,
             bytes_in_use=self._writer_ring.used_bytes, objects=objects, puts=self._puts,
             hits=self._hits, evictions=self._evictions, give_backs=self._give_backs,
