@@ -425,14 +425,17 @@ def _assert_writer_consistent(w: Any, r: Any, known: dict[str, int]) -> None:
 
 
 @pytest.mark.slow
-def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(name: str) -> None:
-    w = ObjectStore.create(name, 12 * KIB, n_readers=1, policy="reinsert")
+@pytest.mark.parametrize("policy, lines", [("reinsert", 400), ("adaptive", 2000)])
+def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(
+        name: str, policy: str, lines: int) -> None:
+    """adaptive runs three shadow replays inside put and get_cached: many more lines."""
+    w = ObjectStore.create(name, 12 * KIB, n_readers=1, policy=policy)
     r = ObjectStore.attach(name, 0)
     known: dict[str, int] = {}
     hits = 0
     try:
         for op in ("put", "get_cached", "clear", "give_back"):
-            for line in range(1, 400):
+            for line in range(1, lines):
                 value = line % 200
                 key = f"{op}-{line}"
                 r.get(w.put(key, np.full(1500, value, np.uint8)))

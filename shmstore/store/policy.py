@@ -268,22 +268,27 @@ class RingReplay:
             uses[key] = policy.hit(uses[key])
             return True
         budget = policy.copy_budget(chunk_bytes)
+        # An exception (a signal handler's, inside a store's put) may stop this between any two
+        # lines: a key's record is written before its chunk, and a chunk without a record is
+        # skipped at the tail, so the replay never raises for what an earlier call left half done.
         while (address := self._place(chunk_bytes)) is None:  # the store's _make_room
             _, old_bytes, old_key = self._chunks.popleft()
-            old_uses = uses.pop(old_key)
+            old_uses = uses.pop(old_key, None)
+            if old_uses is None:
+                continue
             if policy.keep(old_uses, old_bytes, budget):
                 moved = self._place(old_bytes)
                 if moved is not None:
-                    self._chunks.append((moved, old_bytes, old_key))
                     uses[old_key] = policy.kept(old_uses)
+                    self._chunks.append((moved, old_bytes, old_key))
                     budget -= old_bytes
                     self.bytes_reinserted += old_bytes
                     continue
             self.evictions += 1
             policy.evicted(old_key, len(uses))
-        self._chunks.append((address, chunk_bytes, key))
         policy.requested(key, chunk_bytes)
         uses[key] = policy.admitted(key)
+        self._chunks.append((address, chunk_bytes, key))
         return False
 
     def clear(self) -> None:

@@ -161,3 +161,37 @@ def test_adaptive_is_near_the_better_of_lru_and_freq_where_they_differ_most(
     loser = "shm-freq" if rival == "lru" else "lru"
     assert ratio[rival] - ratio[loser] > 0.015, ratio  # the cell separates them
     assert ratio["shm-adaptive"] >= ratio[rival] - 0.006, ratio
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["requested", "admitted", "keep", "kept", "evicted"])
+def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler that raises inside a store's put may stop a shadow mid-request; every
+    later request must still work and the ring stay within its capacity."""
+    replay = RingReplay(make_policy("freq"), 10 * 1024)
+    policy = replay.policy
+    real = getattr(policy, where)
+    calls = [0]
+
+    def once(*args: object) -> object:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise _Stop
+        return real(*args)
+
+    monkeypatch.setattr(policy, where, once)
+    stopped = 0
+    for i in range(400):
+        key = f"k{i % 23}" if i % 3 else f"once{i}"
+        try:
+            replay.request(key, 1024)
+        except _Stop:
+            stopped += 1
+    assert stopped == 1 and calls[0] > 3
+    used = sum(size for _, size, _ in replay._chunks)
+    assert used <= replay.capacity_bytes
+    assert set(replay._uses) <= {key for _, _, key in replay._chunks}
