@@ -13,7 +13,8 @@ libCacheSim is the independent oracle: its FIFO with the ring bytes a shm chunk 
 and alignment included; what it cannot see is the ring's contiguity: when the next chunk does
 not fit before the end, the tail is skipped, the expected FIFO gap) and its LRU with the
 serialized sizes the lru kind charges; its S3FIFO (small queue 10% of the cache or the largest
-object, whichever is larger) and SIEVE run beside them on the ring bytes.
+object, whichever is larger), SIEVE, and the adaptive ARC and LeCaR run beside them on the ring
+bytes.
 
 Prints a table per family with the default policy's goal checked (adaptive >= lru - 0.5 points
 and >= the better of reinsert and freq - 0.2 points; bench_policy_goal.py checks it on 4 seeds),
@@ -80,7 +81,7 @@ def run_family(family: str, n_requests: int) -> list[dict[str, Any]]:
         by_kind = {s.kind: s for s in stats[i * len(kinds):(i + 1) * len(kinds)]}
         lcs = {algo: libcachesim_ratio(algo, keyed, budgets[i],
                                        plain if algo == "LRU" else ring_charged)
-               for algo in ("FIFO", "LRU", "S3FIFO", "Sieve")}
+               for algo in ("FIFO", "LRU", "S3FIFO", "Sieve", "ARC", "LeCaR")}
         freq, lru = by_kind["shm-freq"], by_kind["lru"]
         adaptive = by_kind["shm-adaptive"]
         best = max(freq.hit_ratio, by_kind["shm-reinsert"].hit_ratio)
@@ -123,7 +124,7 @@ def main() -> None:
     print(f"hit ratio, {N_READERS} readers, {n_requests} requests per family (scan: 30,000)")
     print(f"{'family':>9} {'size':>4} {'inf':>5} | {'fifo':>5} {'reins':>5} {'freq':>5} "
           f"{'adapt':>5} {'lru':>5} {'lru@RAM':>7} | {'lcsFIFO':>7} {'lcsLRU':>6} {'S3FIFO':>6} "
-          f"{'SIEVE':>5} | {'ad-lru':>6} {'goal':>4} {'copied/req':>10} {'dFIFO':>6} {'dLRU':>5}")
+          f"{'SIEVE':>5} {'ARC':>5} {'LeCaR':>5} | {'ad-lru':>6} {'goal':>4} {'copied/req':>10} {'dFIFO':>6} {'dLRU':>5}")
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for family in families:
@@ -133,7 +134,8 @@ def main() -> None:
                   f"{row['shm_fifo']:5.3f} {row['shm_reinsert']:5.3f} {row['shm_freq']:5.3f} "
                   f"{row['shm_adaptive']:5.3f} {row['lru']:5.3f} {row['lru_equal_ram']:7.3f} | "
                   f"{row['libcachesim_fifo']:7.3f} {row['libcachesim_lru']:6.3f} "
-                  f"{row['libcachesim_s3fifo']:6.3f} {row['libcachesim_sieve']:5.3f} | "
+                  f"{row['libcachesim_s3fifo']:6.3f} {row['libcachesim_sieve']:5.3f} "
+                  f"{row['libcachesim_arc']:5.3f} {row['libcachesim_lecar']:5.3f} | "
                   f"{row['adaptive_minus_lru_pp']:+6.2f} {'ok' if goal_met(row) else 'MISS':>4} "
                   f"{row['adaptive_copied_per_request'] / 1e6:8.2f}MB "
                   f"{row['fifo_minus_oracle_pp']:+6.2f} {row['lru_minus_oracle_pp']:+5.2f}",
@@ -162,7 +164,8 @@ def plot(rows: list[dict[str, Any]], families: list[str], path: Path) -> None:
              ("lru", "lru (same budget)", "-"),
              ("lru_equal_ram", "lru (same total RAM)", "--"),
              ("libcachesim_s3fifo", "libCacheSim S3FIFO", ":"),
-             ("libcachesim_sieve", "libCacheSim SIEVE", ":")]
+             ("libcachesim_sieve", "libCacheSim SIEVE", ":"),
+             ("libcachesim_arc", "libCacheSim ARC", ":")]
     for ax, family in zip(axes.flat, families):
         sub = [r for r in rows if r["family"] == family]
         for field, label, style in lines:
