@@ -6,8 +6,8 @@ For each family of bench/traces.py and each cache size (1, 5, 10, 25% of the tra
 set), the caches' decisions are replayed on metadata (shmstore.cache.hitsim: the store's own ring
 placement and policy objects, and the lru kind's own LRU; tests/cache/test_hitsim.py checks request
 by request that the replay and the real caches in shared memory agree). Kinds: shm-fifo,
-shm-reinsert, shm-freq (the default), lru at the same budget, and lru at the same total RAM (its
-N_READERS mirrors share the budget).
+shm-reinsert, shm-freq, shm-adaptive (the caches' default), lru at the same budget, and lru at
+the same total RAM (its N_READERS mirrors share the budget).
 
 libCacheSim is the independent oracle: its FIFO with the ring bytes a shm chunk takes (headers
 and alignment included; what it cannot see is the ring's contiguity: when the next chunk does
@@ -124,7 +124,8 @@ def main() -> None:
     print(f"hit ratio, {N_READERS} readers, {n_requests} requests per family (scan: 30,000)")
     print(f"{'family':>9} {'size':>4} {'inf':>5} | {'fifo':>5} {'reins':>5} {'freq':>5} "
           f"{'adapt':>5} {'lru':>5} {'lru@RAM':>7} | {'lcsFIFO':>7} {'lcsLRU':>6} {'S3FIFO':>6} "
-          f"{'SIEVE':>5} {'ARC':>5} {'LeCaR':>5} | {'ad-lru':>6} {'goal':>4} {'copied/req':>10} {'dFIFO':>6} {'dLRU':>5}")
+          f"{'SIEVE':>5} {'ARC':>5} {'LeCaR':>5} | {'ad-lru':>6} {'goal':>4} {'copied/req':>10} "
+          f"{'dFIFO':>6} {'dLRU':>5}")
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for family in families:

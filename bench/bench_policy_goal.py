@@ -12,6 +12,10 @@ request by request against the real caches by tests/cache/test_hitsim.py), with 
 Prints one line per cell (the goal's two margins, the rule adaptive applied at the end, the
 bytes it copied per request and the largest copy of one put as a multiple of that put's ring
 bytes), the cells that miss, and a summary per policy; writes policy_goal.csv.
+
+libCacheSim's ARC and LeCaR, the adaptive policies that learn recency against frequency without
+a ring's constraint (they may evict any object), run on the same traces with the ring bytes each
+chunk takes, and are held to the same goal in the summary: how far the best known peers are from it.
 """
 
 from __future__ import annotations
@@ -28,15 +32,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hitrate import libcachesim_ratio
 from traces import FAMILIES, make_family, working_set_bytes
 
 from shmstore.cache.hitsim import RingSim, make_sim
+from shmstore.store.object_store import ObjectStore
 from shmstore.store.policy import AdaptivePolicy
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2
 MSGPACK_OVERHEAD = 64  # what serializing one tensor adds to its bytes, about (as bench_hitrate)
 KINDS = ("shm-reinsert", "shm-freq", "shm-adaptive", "lru")
+PEERS = ("ARC", "LeCaR")  # libCacheSim's adaptive policies, held to the same goal
 BELOW_LRU_PP = 0.5  # the goal: never more than this many points below LRU
 BELOW_BEST_PP = 0.2  # nor more than this below the better of reinsert and freq
 
@@ -59,7 +66,10 @@ def run_cell(trace: list[tuple[str, int]], budget: int) -> dict[str, Any]:
     stats = {kind: sim.stats() for kind, sim in sims.items()}
     policy = adaptive.policy
     assert isinstance(policy, AdaptivePolicy)
-    return {**{kind.replace("-", "_"): s.hit_ratio for kind, s in stats.items()},
+    charged = {n: ObjectStore.ring_bytes_for(n, N_READERS) for n in {n for _, n in trace}}
+    peers = {f"libcachesim_{algo.lower()}": libcachesim_ratio(algo, trace, budget, charged)
+             for algo in PEERS}
+    return {**{kind.replace("-", "_"): s.hit_ratio for kind, s in stats.items()}, **peers,
             "rule_at_end": policy.rule, "switches": policy.switches,
             "copied_per_request": stats["shm-adaptive"].bytes_reinserted / len(trace),
             "largest_copy_per_put": largest_copy}
@@ -87,7 +97,7 @@ def main() -> None:
           f"{args.requests} requests per trace (scan: at least 30,000)")
     print(f"{'family':>9} {'seed':>4} {'size':>4} | {'reins':>5} {'freq':>5} {'adapt':>5} "
           f"{'lru':>5} | {'vs lru':>6} {'vs best':>7} {'rule':>8} {'copied/req':>10} "
-          f"{'max/put':>7}")
+          f"{'max/put':>7} | {'ARC':>5} {'LeCaR':>5}")
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for family in families:
@@ -104,9 +114,11 @@ def main() -> None:
                       f"{row['shm_freq']:5.3f} {row['shm_adaptive']:5.3f} {row['lru']:5.3f} | "
                       f"{vs_lru:+6.2f} {vs_best:+7.2f} {row['rule_at_end']:>8} "
                       f"{row['copied_per_request'] / 1e6:8.2f}MB "
-                      f"{row['largest_copy_per_put']:6.1f}x", flush=True)
+                      f"{row['largest_copy_per_put']:6.1f}x | {row['libcachesim_arc']:5.3f} "
+                      f"{row['libcachesim_lecar']:5.3f}", flush=True)
     print(f"({time.perf_counter() - t0:.0f} s)")
-    for kind in ("shm_adaptive", "shm_freq", "shm_reinsert"):
+    for kind in ("shm_adaptive", "shm_freq", "shm_reinsert",
+                 *(f"libcachesim_{algo.lower()}" for algo in PEERS)):
         below_lru = [r for r in rows if margins(r, kind)[0] < -BELOW_LRU_PP]
         below_best = [r for r in rows if margins(r, kind)[1] < -BELOW_BEST_PP]
         worst_lru = min(margins(r, kind)[0] for r in rows)

@@ -78,6 +78,7 @@ def test_bench_policy_goal_checks_every_cell(tmp_path: Path) -> None:
     assert "shm_adaptive:" in out and "of 16 cells below lru - 0.5" in out
     rows = (tmp_path / "policy_goal.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 2 * 4 and "rule_at_end" in rows[0]
+    assert "libcachesim_arc" in rows[0] and "libcachesim_lecar: " in out
 
 
 @pytest.mark.slow
