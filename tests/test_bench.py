@@ -132,6 +132,7 @@ def test_bench_percall_breaks_every_call_down() -> None:
 def test_bench_wakeup_runs() -> None:
     out = run_printing_script("bench_wakeup.py", "--messages", "10", "--gap-ms", "2")
     assert "put to get p50" in out and "bare semaphore, same pacing: p50" in out
+    assert "hand-off of C calls only (" in out
     assert "iceoryx2 event, same pacing: p50" in out or "iceoryx2, same pacing: skipped" in out
 
 
