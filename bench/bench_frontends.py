@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import FAMILIES, make_family, working_set_bytes
 
 from shmstore.cache.hitsim import replay, replay_split
+from shmstore.cli.hitrate import write_csv
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2
@@ -85,10 +85,7 @@ def main() -> None:
                   f"{row['shared_adaptive']:11.3f} {row['separate_adaptive']:13.3f} "
                   f"{row['separate_lru']:12.3f} {row['lru_n_times_memory']:9.3f} | "
                   f"{100 * (row['shared_adaptive'] - row['separate_lru']):+18.1f} pt", flush=True)
-    with open(out / "frontends.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "frontends.csv")
     print(f"({time.perf_counter() - t0:.0f} s) wrote {out / 'frontends.csv'}")
 
 

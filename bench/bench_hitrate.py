@@ -28,7 +28,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import FAMILIES, infinite_hit_ratio, make_family, working_set_bytes
 
 from shmstore.cache.hitsim import SIM_KINDS, replay
+from shmstore.cli.hitrate import write_csv
 from shmstore.store.object_store import ObjectStore
 
 PERCENTS = (1, 5, 10, 25)
@@ -143,10 +143,7 @@ def main() -> None:
                   flush=True)
     missed = [f"{r['family']} {r['cache_pct']}%" for r in rows if not goal_met(r)]
     print(f"({time.perf_counter() - t0:.0f} s) goal missed at: {', '.join(missed) or 'none'}")
-    with open(out_dir / "hitrate.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out_dir / "hitrate.csv")
     plot(rows, families, out_dir / "hitrate.png")
     print(f"wrote {out_dir / 'hitrate.csv'} and {out_dir / 'hitrate.png'}")
 

@@ -25,7 +25,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from bench_hitrate import libcachesim_ratio
 from traces import FAMILIES, make_family, working_set_bytes
 
 from shmstore.cache.hitsim import RingSim, make_sim
+from shmstore.cli.hitrate import write_csv
 from shmstore.store.object_store import ObjectStore
 from shmstore.store.policy import AdaptivePolicy
 
@@ -133,10 +133,7 @@ def main() -> None:
                 vs_lru, vs_best = margins(r, kind)
                 print(f"  missed: {r['family']} seed {r['seed']} at {r['cache_pct']}%: "
                       f"{vs_lru:+.2f} against lru, {vs_best:+.2f} against the better of two")
-    with open(out_dir / "policy_goal.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out_dir / "policy_goal.csv")
     print(f"wrote {out_dir / 'policy_goal.csv'}")
 
 

@@ -197,10 +197,7 @@ def main(args: argparse.Namespace) -> int:
         print(verify(trace[:args.verify], kinds, [b / working_set for _, b in budgets]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "hitrate.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "hitrate.csv")
     written = [out / "hitrate.csv"]
     if _plot(rows, kinds, out / "hitrate.png"):
         written.append(out / "hitrate.png")
@@ -311,3 +308,11 @@ def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Write `rows` (dicts with the same keys, in the first row's order) to `path` as csv."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
