@@ -83,6 +83,16 @@ def test_bench_policy_goal_checks_every_cell(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_bench_policy_cost_runs() -> None:
+    out = run_printing_script("bench_policy_cost.py", "--capacity-mib", "2")
+    for policy in ("fifo", "freq", "adaptive"):
+        assert f"{policy}: hit" in out
+    assert "adaptive's shadows alone (requested): hit" in out
+    assert out.count("bytes per object)") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_bench_relay_runs(tmp_path: Path) -> None:
     data = run_script("bench_relay.py", "--items", "2", "--sizes", "1", tmp_path=tmp_path)
     methods = {row["method"] for row in data["rows"]}
