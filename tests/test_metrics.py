@@ -157,7 +157,7 @@ def test_the_rule_adaptive_follows_is_in_stats_and_metrics_as_it_changes(name: s
         assert w.stats().policy_rule == "recency"
         assert sample(registry, "shmstore_policy_rule", segment=name, rule="recency") == 1
         assert sample(registry, "shmstore_policy_rule", segment=name, rule="freq") is None
-        for i in range(2400):
+        for i in range(3600):  # 18,000 requests: the decayed scores forget recency's lead
             for key in [f"hot{i % 3}"] + [f"once{i}-{j}" for j in range(4)]:
                 if w.is_cached(key):
                     w.get_cached(key)

@@ -15,8 +15,8 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   copied forward instead of dropped (bytes copied are reported).
     shm-freq      the same ring with the `freq` policy: a 2-bit use count and a ghost list of
                   evicted keys decide what is copied forward.
-    shm-recency   the same ring with the `recency` policy: what was used within the last 0.7 of
-                  a ring pass is copied forward.
+    shm-recency   the same ring with the `recency` policy: what an LRU of 0.85 of the ring
+                  would still hold is copied forward.
     shm-adaptive  the same ring with the `adaptive` policy (the recommended kind): freq, reinsert
                   and recency run as shadows on metadata, and the ring follows the one that has
                   hit most lately.

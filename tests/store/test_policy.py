@@ -30,32 +30,64 @@ def test_the_default_is_adaptive_and_every_policy_has_its_own_id() -> None:
     assert POLICY_IDS == {1: "fifo", 2: "reinsert", 3: "freq", 4: "adaptive", 5: "recency"}
 
 
-def test_recency_keeps_what_was_used_within_the_horizon_of_a_pass() -> None:
+def _request(p: RecencyPolicy, key: str, nbytes: int = 100, uses: int | None = None) -> int:
+    """One request through `p` as the store makes it: requested, then admitted or hit."""
+    p.requested(key, nbytes)
+    return p.admitted(key) if uses is None else p.hit(uses)
+
+
+def test_recency_keeps_what_an_lru_of_its_share_of_the_ring_would_hold() -> None:
     p = RecencyPolicy()
-    fresh = p.admitted("fresh")
-    assert not p.keep(fresh, 100, 10_000)  # never hit: dropped, however young
-    hot = p.hit(fresh)
-    assert p.keep(hot, 100, 10_000)  # hit a moment ago
-    assert not p.keep(hot, 100, 99)  # the copy budget bounds it
-    moved = p.kept(hot)
-    assert moved & 0b11 == 0 and not p.keep(moved, 100, 10_000)  # the copy took its use
-    old = p.hit(p.admitted("old"))
-    written = [p.admitted(f"x{i}") for i in range(10)]
-    for i in range(10, 1000):  # 1,000 requests later, with passes of 10 requests
-        p.keep(written[i % 10], 100, 0)  # the object written 10 requests ago is at the tail
-        written[i % 10] = p.admitted(f"x{i}")
-    assert 8.5 < p.pass_ticks < 9.5  # the 10th object was written 9 requests ago
-    assert not p.keep(old, 100, 10_000)  # hit, but 100 passes ago
-    assert p.keep(p.hit(p.admitted("new")), 100, 10_000)
+    p.start(1000)  # an LRU of 850 bytes: the last 8 keys of 100 bytes
+    assert not p.keep(p.admitted("unseen"), 100, 10_000)  # nothing requested yet
+    first = _request(p, "first")
+    assert p.keep(first, 100, 10_000)  # the LRU holds it
+    assert not p.keep(first, 100, 99)  # the copy budget bounds it
+    hot = _request(p, "hot")
+    for i in range(7):
+        _request(p, f"x{i}")
+    assert not p.keep(first, 100, 10_000)  # 8 keys came after: beyond the LRU
+    assert p.keep(hot, 100, 10_000)  # 7 keys after it: still held
+    hot = _request(p, "hot", uses=hot)  # a hit moves it to the front
+    for i in range(7, 14):
+        _request(p, f"x{i}")
+    assert p.keep(hot, 100, 10_000) and p.keep(p.kept(hot), 100, 10_000)
+    _request(p, "x14")
+    assert not p.keep(hot, 100, 10_000)
+    big = _request(p, "big", nbytes=800)  # sizes count: 800 bytes leave room for no other key
+    assert p.keep(big, 800, 10_000) and not p.keep(p.kept(hot), 100, 10_000)
+    x15 = _request(p, "x15")
+    assert p.keep(x15, 100, 10_000) and not p.keep(big, 800, 10_000)
     assert p.copy_budget(1000) == 64_000
+    p.clear()
+    assert not p.keep(big, 800, 10_000)
 
 
 def test_recency_ticks_wrap_without_harm() -> None:
     p = RecencyPolicy()
+    p.start(1000)
     p._now = (1 << 40) - 2  # the tick field wraps after the next two requests
-    uses = p.hit(p.admitted("a"))
-    p._now += 5
+    uses = _request(p, "a")
+    uses = _request(p, "a", uses=uses)
+    for i in range(5):
+        _request(p, f"b{i}")
     assert p.keep(uses, 100, 10_000)  # age 5, not -2**40
+    for i in range(5, 8):
+        _request(p, f"b{i}")
+    assert not p.keep(uses, 100, 10_000)
+
+
+def test_recency_survives_an_exception_between_any_two_lines_of_its_bookkeeping() -> None:
+    """A signal handler's exception inside requested() may leave its byte sum off; later
+    requests neither raise nor keep the sum off for good."""
+    p = RecencyPolicy()
+    p.start(1000)
+    p._recent_bytes = 10**9  # what a stopped update could leave at worst
+    uses = _request(p, "a")  # evicts everything, the list empties, the sum resets
+    assert p._recent_bytes == 0 and not p._recent
+    uses = _request(p, "a", uses=uses)
+    _request(p, "b")
+    assert p._recent_bytes == 200 and p.keep(uses, 100, 10_000)
 
 
 def _favouring(rule: str) -> list[tuple[str, int]]:
