@@ -22,6 +22,7 @@ import argparse
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,9 +32,8 @@ from shmstore.store.policy import AdaptivePolicy, make_policy
 KIB = 1024
 
 
-def median_us(call: object, n: int, batches: int = 15) -> float:
+def median_us(call: Callable[[int], object], n: int, batches: int = 15) -> float:
     """Median over `batches` of the mean time of `n` calls of `call(i)`, in microseconds."""
-    assert callable(call)
     results = []
     i = 0
     for _ in range(batches):

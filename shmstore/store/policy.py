@@ -202,8 +202,9 @@ class RecencyPolicy(EvictionPolicy):
         self._recent_limit = self.share * capacity_bytes
 
     def requested(self, key: Hashable, chunk_bytes: int) -> None:
-        # An exception (a signal handler's) between these lines leaves the byte sum off, never
-        # raises later: eviction stops at an empty list, which resets the sum.
+        # An exception (a signal handler's) between these lines leaves the byte sum off by one
+        # chunk and never makes a later call raise: eviction stops at an empty list, which
+        # resets a sum left too high; one left too low lets the LRU hold that chunk more.
         recent = self._recent
         old = recent.pop(key, None)
         if old is not None:

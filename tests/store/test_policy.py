@@ -199,12 +199,14 @@ class _Stop(Exception):
     pass
 
 
+@pytest.mark.parametrize("policy_name", ["freq", "recency", "adaptive"])
 @pytest.mark.parametrize("where", ["requested", "admitted", "keep", "kept", "evicted"])
 def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
-        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        where: str, policy_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal handler that raises inside a store's put may stop a shadow mid-request; every
     later request must still work and the ring stay within its capacity."""
-    replay = RingReplay(make_policy("freq"), 10 * 1024)
+    replay = RingReplay(make_policy(policy_name), 10 * 1024)
+    reused = 23 if policy_name == "freq" else 5  # recency keeps only what an LRU of 8 holds
     policy = replay.policy
     real = getattr(policy, where)
     calls = [0]
@@ -218,7 +220,7 @@ def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
     monkeypatch.setattr(policy, where, once)
     stopped = 0
     for i in range(400):
-        key = f"k{i % 23}" if i % 3 else f"once{i}"
+        key = f"k{i % reused}" if i % 3 else f"once{i}"
         try:
             replay.request(key, 1024)
         except _Stop:
