@@ -34,38 +34,20 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
-from ..errors import (
-    InvalidArgument,
-    InvalidKey,
-    KeyExists,
-    KeyNotCached,
-    ObjectTooLarge,
-    ProtocolError,
-    ReaderIndexError,
-    ShmStoreError,
-    StaleHandle,
-    StoreFull,
-)
-from ..handle import Handle, check_key
+from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
+from ..handle import Handle
 from ..shm._closeable import Closeable
 from ._space import Entry
+from ._wire import MAX_KEYS, PROTOCOL, handle_to_wire, parse_request, recv_frame, send_frame
 from .writer import StoreWriter
 
-__all__ = ["WriterHost", "host_address", "send_frame", "recv_frame", "handle_to_wire", "handle_from_wire",
-           "int_list", "peer_uid", "ERRORS"]
+__all__ = ["WriterHost", "host_address", "peer_uid", "MAX_KEYS"]
 
 log = logging.getLogger("shmstore")
-PROTOCOL = 1
-MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
 MAX_CLIENTS = 64  # connections one host serves at once
-MAX_KEYS = 1024  # keys in one hand_out_cached or cached call
 MAX_LOANS = 16  # chunks one client may hold lent at once
 CONNECT_TIMEOUT_S = 30.0  # a client waits this long for the host to listen
 CALL_TIMEOUT_S = 60.0  # a reply slower than this means the host is stuck: the call fails
-POSTABLE = ("give_back", "narrow")  # calls a client may send without waiting (wait=False)
-LENGTH = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -79,64 +61,6 @@ def peer_uid(sock: socket.socket) -> int:
     return uid
 
 
-def send_frame(sock: socket.socket, obj: Any) -> None:
-    body = msgpack.packb(obj, use_bin_type=True)
-    if len(body) > MAX_FRAME_BYTES:  # refused before sending: the connection stays usable
-        raise InvalidArgument(f"a {obj[0]!r} request of {len(body)} bytes is over the "
-                              f"{MAX_FRAME_BYTES}-byte frame limit: use shorter keys (a content "
-                              "hash) or fewer at once", "request", len(body))
-    sock.sendall(LENGTH.pack(len(body)) + body)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    parts = []
-    while n:
-        part = sock.recv(min(n, 1 << 16))
-        if not part:
-            return None
-        parts.append(part)
-        n -= len(part)
-    return b"".join(parts)
-
-
-def recv_frame(sock: socket.socket) -> Any:
-    """The next frame, None when the peer closed; ProtocolError for a frame out of bounds."""
-    head = recv_exact(sock, LENGTH.size)
-    if head is None:
-        return None
-    (size,) = LENGTH.unpack(head)
-    if not 0 < size <= MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {size} bytes (1..{MAX_FRAME_BYTES} allowed)")
-    body = recv_exact(sock, size)
-    if body is None:
-        return None
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
-        raise ProtocolError(f"frame is not msgpack: {exc}") from None
-
-
-def handle_to_wire(handle: Handle) -> list[Any]:
-    return [handle.address, handle.seq, handle.key_digest, handle.epoch]
-
-
-def handle_from_wire(words: Any) -> Handle:
-    if not isinstance(words, list) or len(words) != 4:
-        raise ProtocolError("a handle is 4 fields")
-    address, seq, digest, epoch = words
-    try:
-        return Handle(address, seq, digest, epoch)
-    except (ShmStoreError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"bad handle: {exc}") from None
-
-
-def int_list(values: Any, what: str) -> list[int]:
-    if not isinstance(values, list) or any(type(v) is not int or v < 0 for v in values):
-        raise ProtocolError(f"{what}: a list of non-negative ints")
-    return values
-
-
 class _Sized:
     """What StoreWriter needs of an Encoded to lend a chunk for it (its body is written
     elsewhere)."""
@@ -146,18 +70,6 @@ class _Sized:
     def __init__(self, nbytes: int, structure_crc: int) -> None:
         self.nbytes = nbytes
         self.structure_crc = structure_crc
-
-
-# errors that cross the socket: rebuilt on the client's side with their message
-ERRORS: dict[str, Callable[[str], BaseException]] = {
-    "StaleHandle": lambda m: StaleHandle(m),
-    "KeyNotCached": lambda m: KeyNotCached(m, ""),
-    "KeyExists": lambda m: KeyExists(m, ""),
-    "ObjectTooLarge": lambda m: ObjectTooLarge(m, 0, 0),
-    "StoreFull": lambda m: StoreFull(m, 0, 0),
-    "ReaderIndexError": lambda m: ReaderIndexError(m, None, 0),
-    "InvalidKey": lambda m: InvalidKey(m),
-}
 
 
 class WriterHost(Closeable):
@@ -186,6 +98,7 @@ class WriterHost(Closeable):
                 writer.name) from None
         listener.listen(MAX_CLIENTS)
         self._listener = listener
+        self._handlers = self._handler_table()
         self._thread = threading.Thread(target=self._accept, name=f"shmstore-host-{writer.name}",
                                         daemon=True)
         self._thread.start()
@@ -215,22 +128,22 @@ class WriterHost(Closeable):
         loans: dict[int, Entry] = {}
         try:
             while not self._closing:
-                request = recv_frame(sock)
-                if request is None:
+                frame = recv_frame(sock)
+                if frame is None:
                     return
-                if not isinstance(request, list) or not request or not isinstance(request[0], str):
-                    raise ProtocolError("a request is [op, args...]")
-                if request[0] == "post":  # a call whose client does not wait: no reply
-                    self._posted(request[1:], loans)
-                    continue
                 try:
+                    op, args, posted = parse_request(frame)
                     with self._lock:
-                        reply = [0, self._call(request[0], request[1:], loans)]
+                        reply = [0, self._handlers[op](args, loans)]
                 except ProtocolError:
                     raise
                 except (ShmStoreError, ValueError, TypeError, KeyError) as exc:
+                    if posted:  # frame[1] is a postable op: parse_request checked it
+                        self._post_failed(frame[1], exc)
+                        continue
                     reply = [1, type(exc).__name__, str(exc)]
-                send_frame(sock, reply)
+                if not posted:  # a call whose client does not wait gets no reply
+                    send_frame(sock, reply)
         except (ProtocolError, OSError) as exc:
             if not self._closing:
                 log.warning("shmstore: store %r dropped a client: %s", self._writer.name, exc)
@@ -241,100 +154,67 @@ class WriterHost(Closeable):
             self._clients.discard(sock)
             sock.close()
 
-    def _hand_out_one(self, key: Any) -> list[Any] | None:
-        writer = self._writer
-        if not writer.is_cached(key):
-            return None
-        return [handle_to_wire(writer.get_cached(key)), writer.handout_seq, writer.object_id(key)]
+    def _post_failed(self, op: str, exc: BaseException) -> None:
+        """A posted call's errors are the client's, but it is not waiting for them: a handle
+        gone meanwhile is expected (logged at debug), others are logged and counted."""
+        if isinstance(exc, StaleHandle):
+            log.debug("shmstore: store %r: posted %s: %s", self._writer.name, op, exc)
+            return
+        self.post_errors += 1
+        log.warning("shmstore: store %r: a client's posted %s failed: %s",
+                    self._writer.name, op, exc)
 
-    def _posted(self, request: list[Any], loans: dict[int, Entry]) -> None:
-        """Run a call sent with wait=False. Its errors are the client's, but it is not waiting
-        for them: a handle gone meanwhile is expected (logged at debug), others are logged."""
-        if not request or request[0] not in POSTABLE:
-            raise ProtocolError(f"only {', '.join(POSTABLE)} may be posted")
-        try:
-            with self._lock:
-                self._call(request[0], request[1:], loans)
-        except ProtocolError:
-            raise
-        except StaleHandle as exc:
-            log.debug("shmstore: store %r: posted %s: %s", self._writer.name, request[0], exc)
-        except (ShmStoreError, ValueError, TypeError, KeyError) as exc:
-            self.post_errors += 1
-            log.warning("shmstore: store %r: a client's posted %s failed: %s",
-                        self._writer.name, request[0], exc)
+    # -- one handler per operation of _wire.OPS: (decoded args, this client's loans) -> reply
 
-    def _call(self, op: str, args: list[Any], loans: dict[int, Entry]) -> Any:
-        writer = self._writer
-        if op == "hello":
-            return [PROTOCOL, writer.name, writer.n_readers, writer.max_object_bytes]
-        if op in ("is_cached", "get_cached", "handle_of", "object_id"):
-            (key,) = args
-            check_key(key)
-            if op == "is_cached":
-                return writer.is_cached(key)
-            if op == "get_cached":
-                return [handle_to_wire(writer.get_cached(key)), writer.handout_seq,
-                        writer.object_id(key)]
-            found = getattr(writer, op)(key)
-            return handle_to_wire(found) if isinstance(found, Handle) else found
-        if op == "hand_out_cached":
-            keys = args[0]
-            if not isinstance(keys, list) or len(keys) > MAX_KEYS:
-                raise ProtocolError(f"hand_out_cached: a list of at most {MAX_KEYS} keys")
-            for key in keys:  # all checked first: a bad key hands nothing out
-                check_key(key)
-            return [self._hand_out_one(k) for k in keys]
-        if op == "cached":
-            keys = args[0]
-            if not isinstance(keys, list) or len(keys) > MAX_KEYS:
-                raise ProtocolError(f"cached: a list of at most {MAX_KEYS} keys")
-            return [writer.is_cached(k) for k in keys]
-        if op == "len":
-            return len(writer)
-        if op == "give_back":
-            handle, number = handle_from_wire(args[0]), args[1]
-            writer.give_back(handle, None if number is None else int_list([number], "number")[0])
-            return None
-        if op == "hand_out":
-            writer.hand_out(handle_from_wire(args[0]))
-            return writer.handout_seq
-        if op == "narrow":
-            handle, number = handle_from_wire(args[0]), int_list([args[1]], "number")[0]
-            writer.narrow(handle, number, int_list(args[2], "readers"))
-            return None
-        if op == "end_handouts":
-            groups = args[0]
-            if not isinstance(groups, list) or any(
-                    not isinstance(g, list) or len(g) != 2 for g in groups):
-                raise ProtocolError("end_handouts: a list of [handle, numbers]")
-            return writer.end_handouts([(handle_from_wire(h), int_list(n, "numbers")) for h, n in groups])
-        if op == "unread":
-            return list(writer.unread(handle_from_wire(args[0])))
-        if op == "withdraw":
-            return writer.withdraw(handle_from_wire(args[0]))
-        if op == "clear":
-            writer.clear(keep_handed_out=bool(args[0]))
-            return None
-        if op == "begin":
-            key, nbytes, crc = args
-            check_key(key)
-            nbytes, crc = int_list([nbytes, crc], "size and crc")
-            if len(loans) >= MAX_LOANS:
-                raise ProtocolError(f"more than {MAX_LOANS} chunks lent at once")
-            entry = writer.lend(key, _Sized(nbytes, crc))
-            loans[entry.chunk.seq] = entry
-            return [entry.chunk.seq, writer.body_offset(entry)]
-        if op in ("commit", "abandon"):
-            lent = loans.pop(int_list([args[0]], "loan")[0], None)
-            if lent is None:
-                raise ProtocolError(f"{op}: no chunk lent under that number")
-            if op == "abandon":
-                lent.reserved = False
-                return None
-            handle = writer.commit_loan(lent)
-            return [handle_to_wire(handle), writer.handout_seq, writer.object_id(lent.key)]
-        raise ProtocolError(f"unknown request {op!r}")
+    def _handler_table(self) -> dict[str, Callable[[list[Any], dict[int, Entry]], Any]]:
+        w = self._writer
+        table: dict[str, Callable[[list[Any], dict[int, Entry]], Any]] = {
+            "hello": lambda a, _: [PROTOCOL, w.name, w.n_readers, w.max_object_bytes],
+            "len": lambda a, _: len(w),
+            "is_cached": lambda a, _: w.is_cached(a[0]),
+            "cached": lambda a, _: w.cached(a[0]),
+            "get_cached": lambda a, _: self._handed(a[0], (w.get_cached(a[0]), w.handout_seq)),
+            "hand_out_cached": lambda a, _: [None if found is None else self._handed(key, found)
+                                             for key, found in zip(a[0], w.hand_out_cached(a[0]))],
+            "handle_of": lambda a, _: _maybe_handle(w.handle_of(a[0])),
+            "object_id": lambda a, _: w.object_id(a[0]),
+            "give_back": lambda a, _: w.give_back(a[0], a[1]),
+            "hand_out": lambda a, _: (w.hand_out(a[0]), w.handout_seq)[1],
+            "narrow": lambda a, _: w.narrow(a[0], a[1], a[2]),
+            "end_handouts": lambda a, _: w.end_handouts(a[0]),
+            "unread": lambda a, _: list(w.unread(a[0])),
+            "withdraw": lambda a, _: w.withdraw(a[0]),
+            "clear": lambda a, _: w.clear(keep_handed_out=a[0]),
+            "begin": self._begin,
+            "commit": self._commit,
+            "abandon": self._abandon,
+        }
+        return table
+
+    def _handed(self, key: str | bytes, made: tuple[Handle, int]) -> list[Any]:
+        """The reply of a hand-out just made: [handle, its number, the object's id]."""
+        return [handle_to_wire(made[0]), made[1], self._writer.object_id(key)]
+
+    def _begin(self, args: list[Any], loans: dict[int, Entry]) -> list[int]:
+        key, nbytes, crc = args
+        if len(loans) >= MAX_LOANS:
+            raise ProtocolError(f"more than {MAX_LOANS} chunks lent at once")
+        entry = self._writer.lend(key, _Sized(nbytes, crc))
+        loans[entry.chunk.seq] = entry
+        return [entry.chunk.seq, self._writer.body_offset(entry)]
+
+    def _lent(self, op: str, loan: int, loans: dict[int, Entry]) -> Entry:
+        lent = loans.pop(loan, None)
+        if lent is None:
+            raise ProtocolError(f"{op}: no chunk lent under that number")
+        return lent
+
+    def _commit(self, args: list[Any], loans: dict[int, Entry]) -> list[Any]:
+        lent = self._lent("commit", args[0], loans)
+        return self._handed(lent.key, (self._writer.commit_loan(lent), self._writer.handout_seq))
+
+    def _abandon(self, args: list[Any], loans: dict[int, Entry]) -> None:
+        self._lent("abandon", args[0], loans).reserved = False
 
     def close(self) -> None:
         """Stop serving; connected clients' calls fail with Closed. Idempotent."""
@@ -351,3 +231,7 @@ class WriterHost(Closeable):
     @property
     def closed(self) -> bool:
         return self._listener is None
+
+
+def _maybe_handle(handle: Handle | None) -> list[Any] | None:
+    return None if handle is None else handle_to_wire(handle)

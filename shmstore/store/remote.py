@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     Closed,
@@ -26,20 +26,17 @@ from ..shm._closeable import Closeable
 from ..shm._wait import Deadline
 from ..shm.ring import ShmRingBuffer
 from ..shm.segment import ALIGN_BYTES
-from .host import (
-    CALL_TIMEOUT_S,
-    CONNECT_TIMEOUT_S,
+from ._wire import (
     ERRORS,
     MAX_KEYS,
     PROTOCOL,
     handle_from_wire,
-    handle_to_wire,
-    host_address,
     int_list,
-    peer_uid,
     recv_frame,
+    request,
     send_frame,
 )
+from .host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid
 
 __all__ = ["RemoteWriter"]
 
@@ -94,7 +91,7 @@ class RemoteWriter(Closeable):
         if sock is None:
             raise Closed(f"the remote writer of store {self.name!r} is closed")
         try:
-            send_frame(sock, ["post", op, *args])
+            send_frame(sock, request(op, *args, post=True))
         except OSError as exc:
             self.close()
             raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
@@ -104,7 +101,7 @@ class RemoteWriter(Closeable):
         if sock is None:
             raise Closed(f"the remote writer of store {self.name!r} is closed")
         try:
-            send_frame(sock, [op, *args])
+            send_frame(sock, request(op, *args))
             reply = recv_frame(sock)
         except (OSError, ProtocolError) as exc:
             self.close()
@@ -179,12 +176,12 @@ class RemoteWriter(Closeable):
         """As StoreWriter.give_back. wait=False sends it without waiting: the host gives it
         back before any later call of this client, and logs (does not raise) StaleHandle."""
         if wait:
-            self._call("give_back", handle_to_wire(handle), number)
+            self._call("give_back", handle, number)
         else:
-            self._post("give_back", handle_to_wire(handle), number)
+            self._post("give_back", handle, number)
 
     def hand_out(self, handle: Handle) -> Handle:
-        self.handout_seq = self._call("hand_out", handle_to_wire(handle))
+        self.handout_seq = self._call("hand_out", handle)
         return handle
 
     def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
@@ -192,19 +189,19 @@ class RemoteWriter(Closeable):
         """As StoreWriter.narrow; wait=False as in give_back (narrowing late is safe: until
         then every reader owes the hand-out)."""
         if wait:
-            self._call("narrow", handle_to_wire(handle), number, list(readers))
+            self._call("narrow", handle, number, readers)
         else:
-            self._post("narrow", handle_to_wire(handle), number, list(readers))
+            self._post("narrow", handle, number, readers)
 
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
         return [bool(v) for v in
-                self._call("end_handouts", [[handle_to_wire(h), list(n)] for h, n in groups])]
+                self._call("end_handouts", groups)]
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
-        return tuple(self._call("unread", handle_to_wire(handle)))
+        return tuple(self._call("unread", handle))
 
     def withdraw(self, handle: Handle) -> bool:
-        return bool(self._call("withdraw", handle_to_wire(handle)))
+        return bool(self._call("withdraw", handle))
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
         self._last_id = None
@@ -247,3 +244,9 @@ class RemoteWriter(Closeable):
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+
+
+if TYPE_CHECKING:  # mypy checks that RemoteWriter meets the one writer interface
+    from ._api import WriterAPI
+
+    _MEETS_WRITER_API: type[WriterAPI] = RemoteWriter

@@ -23,9 +23,9 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -216,24 +216,49 @@ class StoreWriter(HandOuts):
         Raises:
             KeyNotCached: the key was never put or has been evicted (put it again).
         """
+        found = self.hand_out_cached((key,))[0]
+        if found is None:
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
+                               "evicted or cleared): put it again", key)
+        return found[0]
+
+    def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
+        """get_cached for each of `keys` that is cached, in one call: (its handle, the
+        hand-out's number), or None for a key that is not cached. Every key is checked before
+        anything is handed out, and a call cut short by an exception hands out nothing.
+
+        Raises:
+            InvalidKey: a key that is not a non-empty str or bytes (nothing was handed out).
+        """
+        keys = list(keys)
+        for key in keys:
+            check_key(key)
         done: list[tuple[Entry, int]] = []
         try:
             self._guard_enter()
             try:
-                entry = self._lookup(key)
-                if entry is None:
-                    raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
-                                       "evicted or cleared): put it again", key)
-                self._hand_out(entry, done)
-                self._policy.requested(entry.key, entry.chunk.chunk_bytes)
-                entry.uses = self._policy.hit(entry.uses)
-                self._hits += 1
-                return entry.handle
+                return [self._hit(key, done) for key in keys]
             finally:
                 self._guard_leave()
         except BaseException:
             self._undo(done)
             raise
+
+    def _hit(self, key: str | bytes, done: list[tuple[Entry, int]]) -> tuple[Handle, int] | None:
+        entry = self._lookup(key)
+        if entry is None:
+            return None
+        self._hand_out(entry, done)
+        self._policy.requested(entry.key, entry.chunk.chunk_bytes)
+        entry.uses = self._policy.hit(entry.uses)
+        self._hits += 1
+        return entry.handle, self._handout_seq
+
+    @one_thread
+    def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
+        """is_cached for each of `keys`; no side effect."""
+        self._guard_check()
+        return [self._lookup(key) is not None for key in keys]
 
     @one_thread
     def is_cached(self, key: str | bytes) -> bool:
@@ -425,3 +450,9 @@ class StoreWriter(HandOuts):
         self._puts += 1
         self._hand_out(entry, done)
         return entry.handle
+
+
+if TYPE_CHECKING:  # mypy checks that StoreWriter meets the one writer interface
+    from ._api import WriterAPI
+
+    _MEETS_WRITER_API: type[WriterAPI] = StoreWriter

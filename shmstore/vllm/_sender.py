@@ -171,22 +171,12 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             want = list(dict.fromkeys(h for h in mm_hashes
                                       if h in self._updates and h not in self._touched))
             if want:
-                store = self._store
-                if isinstance(store, RemoteWriter):
-                    found = [f for i in range(0, len(want), MAX_KEYS)
-                             for f in store.hand_out_cached(want[i:i + MAX_KEYS])]
-                else:
-                    found = [self._hand_out_one(h) for h in want]
+                found = [f for i in range(0, len(want), MAX_KEYS)
+                         for f in self._store.hand_out_cached(want[i:i + MAX_KEYS])]
                 for mm_hash, hit in zip(want, found, strict=True):
                     if hit is not None:
                         self._touched[mm_hash] = hit
             return [h in self._touched for h in mm_hashes]
-
-    def _hand_out_one(self, mm_hash: str) -> tuple[Handle, int] | None:
-        try:
-            return self._store.get_cached(mm_hash), self._store.handout_seq
-        except KeyNotCached:
-            return None
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:  # is_cached took the hits' hand-outs: this finds them there
@@ -244,8 +234,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         number = self._store.handout_seq
         if len(self._updates) >= self._prune_at:  # drop the updates of items gone from the store
             keys = list(self._updates)
-            cached = (self._store.cached(keys) if isinstance(self._store, RemoteWriter)
-                      else [self._store.is_cached(k) for k in keys])
+            cached = self._store.cached(keys)
             self._updates = {k: self._updates[k] for k, c in zip(keys, cached, strict=True) if c}
             self._prune_at = 2 * len(self._updates) + PRUNE_UPDATES
         self._updates[mm_hash] = prompt_updates

@@ -28,7 +28,7 @@ from tests.relay._tcp_proxy import TcpProxy
 
 from . import relay_workers
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.serving]
 SPAWN = multiprocessing.get_context("spawn")
 FAST = ["--peer-timeout", "1", "--heartbeat", "0.1", "--insecure"]
 

@@ -14,8 +14,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from shmstore.store import _wire, remote
 from shmstore.store import host as writer_host
-from shmstore.store import remote
 from shmstore.store.host import WriterHost, host_address
 from shmstore.store.remote import RemoteWriter
 from tests._names import (
@@ -218,7 +218,7 @@ def test_posted_calls_run_in_order_and_fail_quietly(hosted, caplog) -> None:
 def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> None:
     _, _, client, _, _ = hosted
     with pytest.raises(InvalidArgument, match="frame limit"):
-        client.is_cached("k" * writer_host.MAX_FRAME_BYTES)
+        client.is_cached("k" * _wire.MAX_FRAME_BYTES)
     client.put("a", blob(1))  # the connection is still in step
     keys = [f"key-{i}" for i in range(3 * writer_host.MAX_KEYS)] + ["a"]
     assert client.cached(keys) == [False] * (len(keys) - 1) + [True]  # in several calls
@@ -226,7 +226,7 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> 
 
 @pytest.mark.parametrize("frame", [
     struct.pack("<I", 0),
-    struct.pack("<I", writer_host.MAX_FRAME_BYTES + 1),
+    struct.pack("<I", _wire.MAX_FRAME_BYTES + 1),
     struct.pack("<I", 3) + b"\xc1\xc1\xc1",  # not msgpack
     struct.pack("<I", 1) + msgpack.packb(7),  # not a request
     b"".join([struct.pack("<I", len(b := msgpack.packb(["nope"]))), b]),

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 from tests.conftest import new_name
 from tests.vllm.tiny_llava import build
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 RUNNER = Path(__file__).with_name("vllm_engine_run.py")
 REQUESTS_RUNNER = Path(__file__).with_name("vllm_requests_run.py")
 

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 from tests.conftest import new_name
 from tests.vllm.tiny_llava import build
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 LAUNCHER = Path(__file__).with_name("vllm_serve_launch.py")
 MAX_MODEL_LEN = 256
 

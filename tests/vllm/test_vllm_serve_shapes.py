@@ -25,7 +25,7 @@ from tests.conftest import new_name
 from tests.vllm.test_vllm_serve import Server
 from tests.vllm.tiny_llava import build
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 IMAGES = list(range(6))
 UNDER_RESET = list(range(50, 58))  # new images sent while the cache is reset
 SHAPES = {  # name: (arguments, tensor-parallel size)
