@@ -1,4 +1,4 @@
-"""Multimodal processor caches: one interface, three kinds, chosen by name.
+"""Multimodal processor caches: one interface, a kind per eviction policy and a mirrored LRU.
 
 The sender (P0, the frontend) calls `process(key, make_value)` for every multimodal item of every
 request; `make_value` (the expensive preprocessing) runs only on a miss. What it returns, the
@@ -17,7 +17,7 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   evicted keys decide what is copied forward.
     shm-recency   the same ring with the `recency` policy: what an LRU of 0.85 of the ring
                   would still hold is copied forward.
-    shm-adaptive  the same ring with the `adaptive` policy (the recommended kind): freq, reinsert
+    shm-adaptive  the same ring with the `adaptive` policy (DEFAULT_KIND, recommended): freq, reinsert
                   and recency run as shadows on metadata, and the ring follows the one that has
                   hit most lately.
     lru           mirrored LRU: the sender keeps keys and sizes in an LRU with the budget and sends
@@ -46,11 +46,13 @@ from ..serde.codec import encode, materialize
 from ..shm._closeable import Closeable
 from ..shm.segment import MAX_CAPACITY_BYTES
 from ..store.object_store import ObjectStore, StoreReader, StoreWriter
+from ..store.policy import DEFAULT_POLICY, POLICIES
 
-__all__ = ["CACHE_KINDS", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
+__all__ = ["CACHE_KINDS", "DEFAULT_KIND", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
            "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]
 
-CACHE_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "shm-recency", "shm-adaptive", "lru")
+CACHE_KINDS = (*(f"shm-{policy}" for policy in POLICIES), "lru")  # one per eviction policy
+DEFAULT_KIND = f"shm-{DEFAULT_POLICY}"  # the recommended kind
 PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
 PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
 PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it

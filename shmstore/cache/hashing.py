@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import InvalidArgument, NotSerializable
+
 __all__ = ["mm_hash", "ALGORITHMS"]
 
 ALGORITHMS = ("blake3", "sha256")
@@ -46,7 +48,8 @@ def _new_hasher(algorithm: str) -> _Hasher:
         return blake3()
     if algorithm == "sha256":
         return hashlib.sha256()
-    raise ValueError(f"unknown hash algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    raise InvalidArgument(f"unknown hash algorithm {algorithm!r}; choose one of {ALGORITHMS}",
+                          "algorithm", algorithm)
 
 
 def mm_hash(item: Any, *, algorithm: str = "blake3", **context: Any) -> str:
@@ -79,7 +82,9 @@ class _StreamWriter:
 
     def value(self, obj: Any, path: str, depth: int) -> None:
         if depth > MAX_DEPTH:
-            raise ValueError(f"mm_hash: {path} is nested deeper than {MAX_DEPTH} levels (or cyclic)")
+            raise NotSerializable(f"mm_hash: {path} is nested deeper than {MAX_DEPTH} levels (or "
+                                  "cyclic): flatten it, or hash its parts and hash the digests",
+                                  path)
         if obj is None:
             self.head(b"N", 0)
         elif obj is True or obj is False:
@@ -123,14 +128,15 @@ class _StreamWriter:
         elif _is_pil_image(obj):
             self.image(obj)
         else:
-            raise TypeError(
+            raise NotSerializable(
                 f"mm_hash cannot hash {type(obj).__module__}.{type(obj).__qualname__} at {path}: "
                 "use bytes, numpy arrays, torch tensors, PIL images, or dict/list/tuple of "
-                "None, bool, int, float and str")
+                "None, bool, int, float and str", path)
 
     def array(self, arr: np.ndarray, path: str) -> None:
         if arr.dtype.kind not in "biufc":
-            raise TypeError(f"mm_hash cannot hash arrays of dtype {arr.dtype} at {path}")
+            raise NotSerializable(f"mm_hash cannot hash arrays of dtype {arr.dtype} at {path}: "
+                                  "convert it to a numeric dtype or hash its bytes", path)
         self.shaped(b"a", arr.dtype.str, arr.shape)
         self.h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
@@ -138,8 +144,8 @@ class _StreamWriter:
         import torch
 
         if t.device.type != "cpu" or t.layout is not torch.strided:
-            raise TypeError(f"mm_hash hashes dense CPU tensors only; {path} is {t.device} "
-                            f"{t.layout}: move it with .cpu() / .to_dense()")
+            raise NotSerializable(f"mm_hash hashes dense CPU tensors only; {path} is {t.device} "
+                                  f"{t.layout}: move it with .cpu() / .to_dense()", path)
         t = t.detach().contiguous()
         self.shaped(b"x", str(t.dtype), tuple(t.shape))
         self.h.update(t.reshape(-1).view(torch.uint8).numpy())

@@ -21,16 +21,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._proc import int_arg
+from ..errors import CorruptObject, InvalidArgument
 from ..shm.ring import RingWriter
 from ..shm.segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
 from ..store._layout import object_header_bytes
 from ..store.policy import EvictionPolicy, RingReplay, make_policy
-from .caches import ReceiverCache, SenderCache, _LruBytes
+from .caches import CACHE_KINDS, ReceiverCache, SenderCache, _LruBytes
 
 __all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "replay_split", "route_index",
            "real_hits", "SIM_KINDS"]
 
-SIM_KINDS = ("shm-fifo", "shm-reinsert", "shm-freq", "shm-recency", "shm-adaptive", "lru")
+SIM_KINDS = CACHE_KINDS  # every cache kind replays
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,8 @@ def make_sim(kind: str, capacity_bytes: int, n_readers: int) -> RingSim | LruSim
     if kind == "lru":
         return LruSim(capacity_bytes)
     if kind not in SIM_KINDS:
-        raise ValueError(f"unknown cache kind {kind!r}; choose one of {SIM_KINDS}")
+        raise InvalidArgument(f"unknown cache kind {kind!r}; choose one of {SIM_KINDS}", "kind",
+                              kind)
     return RingSim(kind.removeprefix("shm-"), capacity_bytes, n_readers)
 
 
@@ -183,9 +185,11 @@ def replay_split(trace: Sequence[tuple[Hashable, int]], frontends: Sequence[int]
     one shared cache of that budget). One SimStats per (budget, kind), in replay()'s order,
     summing the front ends' caches; its capacity_bytes is the total."""
     if len(frontends) != len(trace):
-        raise ValueError(f"{len(frontends)} front-end assignments for {len(trace)} requests")
+        raise InvalidArgument(f"{len(frontends)} front-end assignments for {len(trace)} requests: "
+                              "give one per request", "frontends", len(frontends))
     if n_frontends < 1 or any(not 0 <= f < n_frontends for f in frontends):
-        raise ValueError(f"front ends must be 0..{n_frontends - 1}")
+        raise InvalidArgument(f"front ends must be 0..{n_frontends - 1} (n_frontends "
+                              f"{n_frontends}): number them from 0", "frontends", n_frontends)
     budgets = list(budgets)
     kinds = list(kinds)
     sims = [[make_sim(kind, budget // n_frontends, n_readers) for _ in range(n_frontends)]
@@ -226,7 +230,8 @@ def real_hits(kind: str, trace: Iterable[tuple[str, int]], capacity_bytes: int,
             for receiver in receivers:
                 with receiver.resolve_view(payload) as value:
                     if value[-1] != nbytes % 251:
-                        raise AssertionError(f"{kind} cache returned wrong bytes for {key!r}")
+                        raise CorruptObject(f"the {kind} cache returned wrong bytes for {key!r} "
+                                            "in the check against the real caches: report it")
             hits.append(sender.stats().hits > before)
     finally:
         for receiver in receivers:

@@ -5,6 +5,7 @@
     hitrate.py   `shmstore hitrate TRACE`: which cache and how big, from a trace
     relay.py     `shmstore relay keygen | serve`
     _units.py    sizes and ages as the command line reads and prints them
+    _traces.py   request traces for `hitrate`: csv and libCacheSim's oracleGeneral, checked
 
 May import: every other layer.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.caches import CACHE_KINDS, PAYLOAD_HANDLE, ReceiverCache, SenderCache
+from ..cache.caches import CACHE_KINDS, DEFAULT_KIND, PAYLOAD_HANDLE, ReceiverCache, SenderCache
 from ..cache.hashing import mm_hash
 from ..errors import Closed
 from ..queue.channel import Channel
@@ -35,7 +35,7 @@ MODEL_ID = "llava-style-demo"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--cache", choices=CACHE_KINDS, default="shm-adaptive", help="cache kind")
+    parser.add_argument("--cache", choices=CACHE_KINDS, default=DEFAULT_KIND, help="cache kind")
     parser.add_argument("--cache-gb", type=float, default=0.25, help="cache budget in GB")
     parser.add_argument("--requests", type=int, default=400, help="requests to send")
     parser.add_argument("--images", type=int, default=120, help="distinct images in the stream")

@@ -3,6 +3,7 @@ that node's own store and re-broadcasts the handles locally.
 
     node.py        Relay (a node's side), the protocol and its scenarios
     _publisher.py  Publisher (the writer's side)
+    _state.py      what a Publisher knows of each node, and its stats snapshots
     _peer.py       CurveZMQ keys, endpoint checks, the socket thread both sides share
     _wire.py       the frames and their checked parser
 

@@ -47,7 +47,7 @@ from ._layout import (
     counter_offset,
     object_header_bytes,
 )
-from .policy import make_policy
+from .policy import RING_POLICY, make_policy
 from .writer import StoreWriter
 
 __all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "StoredBody", "MAX_READERS"]
@@ -75,7 +75,7 @@ class ObjectStore:
         n_readers: int,
         max_object_bytes: int | None = None,
         *,
-        policy: str = "fifo",
+        policy: str = RING_POLICY,
         mode: int = 0o600,
         prefault: bool = True,
     ) -> StoreWriter:
@@ -86,8 +86,8 @@ class ObjectStore:
             capacity_bytes: bytes of the ring that holds the objects.
             n_readers: how many readers must read each object before it can be reclaimed.
             max_object_bytes: largest serialized object accepted (default: what fits the ring).
-            policy: "fifo", "reinsert", "freq", "recency" or "adaptive" (store/policy.py;
-                caches should use "adaptive").
+            policy: a name of store.policy.POLICIES: "fifo" (RING_POLICY, the default),
+                "reinsert", "freq", "recency" or "adaptive" (DEFAULT_POLICY: what caches run).
             mode: permission bits of the segment (0o600: this user only).
             prefault: map with MAP_POPULATE so puts take no page faults.
 

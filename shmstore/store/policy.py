@@ -8,7 +8,7 @@ use count per object, and sizes. `cache/hitsim.py` runs the same policies on met
     fifo      drop it (vLLM's shm cache behaves this way)
     reinsert  FIFO-reinsertion (CLOCK with one bit): keep an object that was handed out again
               since it was (re)written, while the put's copy budget (2x its size) lasts
-    freq      the default: a 2-bit use count instead of one bit, and a ghost list. Each hit
+    freq      a 2-bit use count instead of one bit, and a ghost list. Each hit
               adds one (up to 3); a copy forward takes one off, so an object that stops being
               used goes after at most 3 more passes. The keys of the last evicted objects (4x
               as many as are cached) are remembered: a key that comes back after being evicted
@@ -17,8 +17,9 @@ use count per object, and sizes. `cache/hitsim.py` runs the same policies on met
 
     recency   keep an object that an LRU of 0.85 of the ring would still hold (used since the
               oldest request it holds): the ring's nearest to LRU. Copy budget: 64x.
-    adaptive  the default: runs fifo's three rivals, freq, reinsert and recency, as shadows on
-              metadata alone (`RingReplay`, one each, the store's capacity), fed every request;
+    adaptive  the caches' default (DEFAULT_POLICY): runs fifo's three rivals, freq, reinsert
+              and recency, as shadows on metadata alone (`RingReplay`, one each, the store's
+              capacity), fed every request;
               at the tail it applies the rule of the shadow that has hit most over the last
               ~20,000 requests (exponentially decayed), with that rule's copy budget.
 
@@ -38,10 +39,11 @@ from ..errors import InvalidArgument
 from ..shm.ring import place_chunk
 
 __all__ = ["EvictionPolicy", "FifoPolicy", "ReinsertPolicy", "FreqPolicy", "RecencyPolicy",
-           "AdaptivePolicy", "RingReplay", "POLICIES", "POLICY_IDS", "DEFAULT_POLICY",
+           "AdaptivePolicy", "RingReplay", "POLICIES", "POLICY_IDS", "DEFAULT_POLICY", "RING_POLICY",
            "make_policy"]
 
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "adaptive"  # caches, the vLLM plugin, relays: what a cache should run
+RING_POLICY = "fifo"  # a bare ObjectStore: the plain ring, no bookkeeping per object
 
 
 class EvictionPolicy:
@@ -390,9 +392,8 @@ class AdaptivePolicy(FreqPolicy):
         self._scores = [0.0] * len(self.rivals)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    "fifo": FifoPolicy, "reinsert": ReinsertPolicy, "freq": FreqPolicy,
-    "adaptive": AdaptivePolicy, "recency": RecencyPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {  # the one list: caches and hitsim derive theirs
+    cls.name: cls for cls in (FifoPolicy, ReinsertPolicy, FreqPolicy, RecencyPolicy, AdaptivePolicy)}
 POLICY_IDS = {cls.id: name for name, cls in POLICIES.items()}
 
 

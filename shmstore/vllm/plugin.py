@@ -11,7 +11,8 @@ cache type is left to vLLM. Environment:
 
     SHMSTORE_VLLM=0 (false, off, no)    turn the plugin off: vLLM's own shm cache comes back;
                                         1, true, on, yes or unset: on; anything else is refused
-    VLLM_OBJECT_STORAGE_SHM_POLICY      fifo | reinsert | freq (default freq): the store's policy
+    VLLM_OBJECT_STORAGE_SHM_POLICY      a name of store.policy.POLICIES (default: DEFAULT_POLICY,
+                                        adaptive): the store's policy
     VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME vLLM's: the shared-memory name (kept)
 
 vLLM's own settings keep their meaning: `mm_processor_cache_gb` is the store's capacity,

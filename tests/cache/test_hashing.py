@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from shmstore.cache.hashing import mm_hash
+from shmstore.errors import InvalidArgument, NotSerializable
 
 SAMPLES = [
     None, True, False, 0, -1, 2**80, 1.5, float("inf"), "", "text", b"", b"\x89PNG...", bytearray(b"ab"),
@@ -83,16 +84,16 @@ class Opaque:
     (np.array(["s"]), "item"), (np.array([object()]), "item"),
 ])
 def test_unknown_types_raise_type_error_with_path(item: object, where: str) -> None:
-    with pytest.raises(TypeError, match=where):
+    with pytest.raises(NotSerializable, match=where):
         mm_hash(item)
 
 
 def test_unknown_algorithm_and_bad_context() -> None:
-    with pytest.raises(ValueError, match="sha256"):
+    with pytest.raises(InvalidArgument, match="sha256"):
         mm_hash(b"x", algorithm="md5")
-    with pytest.raises(TypeError, match=r"context\['processor'\]"):
+    with pytest.raises(NotSerializable, match=r"context\['processor'\]"):
         mm_hash(b"x", processor=Opaque())
     cyclic: list[object] = []
     cyclic.append(cyclic)
-    with pytest.raises(ValueError, match="nested deeper"):
+    with pytest.raises(NotSerializable, match="nested deeper"):
         mm_hash(cyclic)

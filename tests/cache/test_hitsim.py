@@ -128,9 +128,9 @@ def test_replay_split_is_n_independent_caches_of_a_share_of_the_budget() -> None
 
 def test_replay_split_refuses_assignments_that_do_not_fit() -> None:
     trace = [("a", 10), ("b", 10)]
-    with pytest.raises(ValueError, match="1 front-end assignments for 2 requests"):
+    with pytest.raises(InvalidArgument, match="1 front-end assignments for 2 requests"):
         replay_split(trace, [0], 2, ["lru"], [100], 2)
-    with pytest.raises(ValueError, match=r"front ends must be 0\.\.1"):
+    with pytest.raises(InvalidArgument, match=r"front ends must be 0\.\.1"):
         replay_split(trace, [0, 2], 2, ["lru"], [100], 2)
 
 
