@@ -146,6 +146,7 @@ def test_bench_wakeup_runs() -> None:
     assert "iceoryx2 event, same pacing: p50" in out or "iceoryx2, same pacing: skipped" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
 def test_bench_serve_reports_and_plots_a_saved_run(tmp_path: Path) -> None:
     """The saved run in bench/saved redraws (the servers themselves run in the vLLM tests)."""

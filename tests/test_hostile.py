@@ -219,6 +219,7 @@ class Scribbler:
             self.pending.append((now + self.rng.random() * 0.004, buf, offset, old))
 
 
+@pytest.mark.slow
 def test_scribbler_on_metadata_words_during_live_traffic(name: str, tmp_path: Path) -> None:
     logs = [tmp_path / f"reader{r}.log" for r in range(2)]
     ch = Channel.create(name, n_readers=2, capacity_bytes=2 << 20, inline_threshold=1024)
@@ -262,6 +263,7 @@ def test_scribbler_on_metadata_words_during_live_traffic(name: str, tmp_path: Pa
     assert counts.get("done", 0) == 2
 
 
+@pytest.mark.slow
 def test_kill_loop_writer_and_readers_killed_at_random_points(name: str, tmp_path: Path) -> None:
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     writer_log = tmp_path / "writer.log"

@@ -101,6 +101,7 @@ def test_several_stores_share_one_registry_each_by_segment(name: str) -> None:
         off_b()  # twice is fine
 
 
+@pytest.mark.slow
 def test_a_scrape_thread_reads_stats_while_the_writer_puts(name: str) -> None:
     import threading
 
@@ -137,6 +138,7 @@ def test_a_scrape_thread_reads_stats_while_the_writer_puts(name: str) -> None:
     assert not errors, errors[:3]
 
 
+@pytest.mark.slow
 def test_the_rule_adaptive_follows_is_in_stats_and_metrics_as_it_changes(name: str) -> None:
     """A store whose objects are used a few times and then never again (recency's case), then
     a few hot objects among one-time ones (freq's): the rule shown follows, scrape by scrape."""

@@ -181,7 +181,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:  # is_cached took the hits' hand-outs: this finds them there
             if mm_hash not in self._touched and mm_hash in self._updates:
-                hit = self._hand_out_one(mm_hash)
+                hit = self._store.hand_out_cached([mm_hash])[0]
                 if hit is not None:
                     self._touched[mm_hash] = hit
 

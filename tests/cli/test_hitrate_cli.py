@@ -27,6 +27,7 @@ def hitrate(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_csv_with_header_replays_verifies_and_writes_csv_and_png(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("time,key,bytes\n" + "".join(f"{i},{k},{n}\n"
@@ -134,6 +135,7 @@ def test_a_key_seen_large_then_small_counts_at_its_largest_and_verify_stays_smal
     assert "verified: the first 60 requests" in done.stdout
 
 
+@pytest.mark.slow
 def test_hitrate_killed_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("".join(f"{i},k{i % 300},{200_000 + i % 7}\n" for i in range(20_000)))
@@ -156,6 +158,7 @@ def test_hitrate_killed_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> 
     assert not [n for n in set(os.listdir("/dev/shm")) - before if "shmstore" in n]
 
 
+@pytest.mark.slow
 def test_frontends_compare_one_shared_cache_with_one_per_frontend(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("time,key,bytes,session\n" + "".join(

@@ -268,6 +268,7 @@ class QueueModel(RuleBasedStateMachine):
 
 QueueModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_queue_state_machine = QueueModel.TestCase
+test_queue_state_machine.pytestmark = [pytest.mark.slow]
 
 
 def test_idle_reader_sleeps(queue) -> None:

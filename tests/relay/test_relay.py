@@ -228,6 +228,7 @@ def test_a_slow_node_holds_the_writer_within_the_window() -> None:
         n.close()
 
 
+@pytest.mark.slow
 def test_a_node_whose_readers_stall_past_the_peer_timeout_does_not_reconnect() -> None:
     """While the node waits on its own slow readers it does not read the Publisher's socket;
     that time is not the Publisher's silence. A reconnect here would join at the newest
@@ -246,6 +247,7 @@ def test_a_node_whose_readers_stall_past_the_peer_timeout_does_not_reconnect() -
         n.close()
 
 
+@pytest.mark.slow
 def test_relay_reports_writer_gone_after_writer_timeout() -> None:
     n = Net(0)
     try:
@@ -430,6 +432,7 @@ def test_publisher_arguments_are_checked() -> None:
             Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=0)
 
 
+@pytest.mark.slow
 def test_curve_refuses_unknown_relays(tmp_path) -> None:
     server = CurveKeys.load(generate_keys(tmp_path, "server")[1])
     good = CurveKeys.load(generate_keys(tmp_path, "good")[1])

@@ -227,3 +227,4 @@ class RingModel(RuleBasedStateMachine):
 
 RingModel.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 test_ring_state_machine = RingModel.TestCase
+test_ring_state_machine.pytestmark = [pytest.mark.slow]

@@ -302,6 +302,7 @@ def _read_then_die(name: str, attached: Any) -> None:
     signal.pause()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_does_not_wedge_the_sender(name: str) -> None:
     cfg = config(name, cache_mb=6, max_object_mb=6, world_size=2)
     sender = ShmstoreSenderCache(cfg)
@@ -327,6 +328,7 @@ def test_a_killed_worker_does_not_wedge_the_sender(name: str) -> None:
         sender.close()
 
 
+@pytest.mark.slow
 def test_the_plugin_routes_only_the_shm_type_and_can_be_turned_off(name: str) -> None:
     from shmstore.vllm import plugin as vllm_plugin
 
@@ -662,6 +664,7 @@ def test_a_node_feed_skips_what_it_cannot_use_and_follows_a_relay_that_died(name
     assert not [p for p in Path("/dev/shm").iterdir() if name in p.name]
 
 
+@pytest.mark.slow
 def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(name: str) -> None:
     """vLLM's launcher SIGKILLs its API servers at shutdown: whichever process of the server
     exits after the writer removes its store. A live writer's store, and a segment of that name
