@@ -54,14 +54,17 @@ class WriterAPI(Protocol):
     def object_id(self, key: str | bytes) -> bytes | None:
         """The 24-byte id of the bytes cached under `key`; None if it is not cached."""
 
-    def give_back(self, handle: Handle, number: int | None = None) -> None:
-        """Take back one hand-out of `handle` that no reader will read."""
+    def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
+        """Take back one hand-out of `handle` that no reader will read. wait=False: the call
+        may be posted (a remote writer does not wait for it), and a handle gone meanwhile is
+        not an error."""
 
     def hand_out(self, handle: Handle) -> Handle:
         """Hand the object of `handle` out once more (its number is then `handout_seq`)."""
 
-    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
-        """Owe hand-out `number` of `handle` only by `readers`."""
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
+               wait: bool = True) -> None:
+        """Owe hand-out `number` of `handle` only by `readers`; wait=False as in give_back."""
 
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
         """Say that the hand-outs of each (handle, numbers) are over."""

@@ -6,6 +6,7 @@ of hand-outs and reads and the exception-safety rules every method here keeps.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 from ..errors import ReaderIndexError, StaleHandle
@@ -28,14 +29,20 @@ class HandOuts(StoreSpace):
         return self._handout_seq
 
     @one_thread
-    def give_back(self, handle: Handle, number: int | None = None) -> None:
+    def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
         """Take back one hand-out of `handle` that no reader will read (an aborted request):
         hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
+        wait=False (for callers that also drive a RemoteWriter, which then posts the call): a
+        handle gone meanwhile is not an error.
 
         Raises:
             StaleHandle: the object is gone, or has no such hand-out left to take back.
         """
         self._guard_check()
+        if not wait:
+            with contextlib.suppress(StaleHandle):
+                self.give_back(handle, number)
+            return
         entry = self._handed_out(handle)
         if number is not None and number not in entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out number {number} to give back in "
@@ -49,16 +56,22 @@ class HandOuts(StoreSpace):
         entry.handouts.remove(number)  # last: if this line ran, the give-back is done
 
     @one_thread
-    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
+               wait: bool = True) -> None:
         """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
         hand-out whose handle goes to some readers only, decided after it was made (the
-        engine a request goes to). A reader left out never pins the object for it.
+        engine a request goes to). A reader left out never pins the object for it. wait=False
+        as in give_back.
 
         Raises:
             StaleHandle: the object is gone, or has no hand-out `number`.
             ReaderIndexError: a reader index outside the store's readers.
         """
         self._guard_check()
+        if not wait:
+            with contextlib.suppress(StaleHandle):
+                self.narrow(handle, number, readers)
+            return
         entry = self._live_entry(handle)
         mask = 0
         for r in readers:

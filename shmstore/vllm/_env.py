@@ -1,4 +1,15 @@
-"""The plugin's own environment variables, named once for the plugin and the caches it installs."""
+"""The names the plugin is known by outside its code: its environment variables (each named
+here once, read once by _deployment.py) and its logger."""
+
+LOG_NAME = "vllm.plugins.shmstore"  # a child of vLLM's logger: its handlers print our lines
 
 ENABLE_ENV = "SHMSTORE_VLLM"  # 0/1, false/true, off/on: the plugin off or on
 POLICY_ENV = "VLLM_OBJECT_STORAGE_SHM_POLICY"  # a name of store.policy.POLICIES
+SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread hand-outs go
+LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
+PUBLISH_ENV = "SHMSTORE_VLLM_PUBLISH"  # head: the address its Publisher binds
+KEYS_ENV = "SHMSTORE_VLLM_KEYS"  # head: its CurveZMQ key pair (NAME.key_secret)
+ALLOW_ENV = "SHMSTORE_VLLM_ALLOW"  # head: relays' public key files, separated by ':'
+INSECURE_ENV = "SHMSTORE_VLLM_INSECURE"  # head: 1 to publish over plain TCP (no keys)
+WAIT_ENV = "SHMSTORE_VLLM_WAIT_S"  # node k worker: longest wait for an item's handle
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: /metrics from files

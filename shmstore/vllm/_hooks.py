@@ -7,14 +7,16 @@ import logging
 import weakref
 from typing import Any
 
+from ._env import LEASE_ENV, LOG_NAME
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
 from ._requests import RequestLedger, numbers_in
-from ._sender import LEASE_ENV, SENDERS
+from ._sender import SENDERS
+from ._vllm import install_hooks
 
 __all__ = ["install_request_hooks"]
 
-log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
+log = logging.getLogger(LOG_NAME)
 
 
 class _Rendered:
@@ -50,7 +52,6 @@ def install_request_hooks() -> None:
     process) and where a worker resolves a new request's items; a method this vLLM lacks is
     named in a warning, and the lease settles what it would have."""
     import functools
-    import importlib
 
     def add_request(original: Any) -> Any:
         @functools.wraps(original)
@@ -143,36 +144,8 @@ def install_request_hooks() -> None:
             return engine
         return wrapper
 
-    hooks = (("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", add_request),
-             # DP: the client picks the engine after rendering; only its workers owe the reads
-             ("vllm.v1.engine.core_client", "DPAsyncMPClient", "get_core_engine_for_request",
-              engine_for_request),
-             ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request",
-              engine_for_request),
-             # the OpenAI server renders first: a request refused while rendering (a prompt
-             # over max_model_len once its image tokens count) never reaches process_inputs
-             ("vllm.renderers.base", "BaseRenderer", "render_chat_async", render_async),
-             ("vllm.renderers.base", "BaseRenderer", "render_cmpl_async", render_async),
-             ("vllm.renderers.base", "BaseRenderer", "_process_tokens_async",
-              process_tokens_async),
-             ("vllm.v1.engine.output_processor", "OutputProcessor", "_finish_request",
-              finish_request),
-             ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests",
-              abort_requests),
-             ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs",
-              process_inputs),
-             ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "_apply_mm_cache",
-              apply_mm_cache))
-    for module_name, class_name, method, wrap in hooks:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            original = getattr(cls, method)
-        except (ImportError, AttributeError) as exc:
-            log.warning("shmstore vLLM plugin: no %s.%s.%s in this vLLM (%s); hand-outs it "
-                        "would settle are settled by the lease (%s)", module_name, class_name,
-                        method, exc, LEASE_ENV)
-            continue
-        if not getattr(original, "_shmstore_hook", False):
-            wrapped = wrap(original)
-            wrapped._shmstore_hook = True
-            setattr(cls, method, wrapped)
+    install_hooks({"add_request": add_request, "engine_for_request": engine_for_request,
+                   "render_async": render_async, "process_tokens_async": process_tokens_async,
+                   "finish_request": finish_request, "abort_requests": abort_requests,
+                   "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache},
+                  f"hand-outs it would settle are settled by the lease ({LEASE_ENV})")

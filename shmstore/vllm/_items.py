@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.multimodal.inputs import (
+from ..errors import (
+    CorruptObject,
+    InvalidHandle,
+)
+from ..handle import Handle
+from ._vllm import (
     MultiModalBatchedField,
     MultiModalFieldConfig,
     MultiModalFieldElem,
@@ -19,12 +24,6 @@ from vllm.multimodal.inputs import (
     MultiModalKwargsItem,
     MultiModalSharedField,
 )
-
-from ..errors import (
-    CorruptObject,
-    InvalidHandle,
-)
-from ..handle import Handle
 
 __all__ = ["HANDLE_FIELD", "HANDLE_WORDS", "item_to_value", "value_to_item", "handle_item",
            "handout_number", "object_id_from_item", "handle_from_item"]

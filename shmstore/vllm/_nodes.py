@@ -27,12 +27,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from typing import Any
 
-from .._proc import env_seconds, env_switch
 from ..errors import (
     Closed,
     CorruptObject,
@@ -46,55 +44,38 @@ from ..errors import (
 )
 from ..handle import Handle, key_digest
 from ..queue.channel import Channel, ChannelReader, ChannelWriter
+from ._env import LOG_NAME, PUBLISH_ENV
 
-__all__ = ["PUBLISH_ENV", "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "HeadPublisher", "NodeFeed",
-           "node_layout"]
+__all__ = ["HeadPublisher", "NodeFeed", "FEED_ERRORS"]
 
-log = logging.getLogger("vllm.plugins.shmstore")
-PUBLISH_ENV = "SHMSTORE_VLLM_PUBLISH"  # head: the address its Publisher binds
-KEYS_ENV = "SHMSTORE_VLLM_KEYS"  # head: its CurveZMQ key pair (NAME.key_secret)
-ALLOW_ENV = "SHMSTORE_VLLM_ALLOW"  # head: relays' public key files, separated by ':'
-INSECURE_ENV = "SHMSTORE_VLLM_INSECURE"  # head: 1 to publish over plain TCP (no keys)
-WAIT_ENV = "SHMSTORE_VLLM_WAIT_S"  # node k worker: longest wait for an item's handle
-DEFAULT_WAIT_S = 60.0
+log = logging.getLogger(LOG_NAME)
 PUBLISH_TIMEOUT_S = 30.0  # a hand-out waits this long for queue space (a slow node)
 MAX_WAITING = 4096  # handles a node-k worker keeps for items it has not been given yet
-
-
-def node_layout(vllm_config: Any) -> tuple[int, int, int]:
-    """(nodes in this TP/PP group, this node's rank in it, workers on each node)."""
-    parallel = vllm_config.parallel_config
-    nodes = int(getattr(parallel, "nnodes_within_dp", 1))
-    rank = int(getattr(parallel, "node_rank_within_dp", 0))
-    local = int(getattr(parallel, "local_world_size", parallel.world_size))
-    return nodes, rank, local
 
 
 class HeadPublisher:
     """The head node's side: a Channel whose store the sender cache uses, and its Publisher."""
 
-    def __init__(self, make_channel: Any, name: str, n_local: int, n_remote_nodes: int) -> None:
+    def __init__(self, make_channel: Any, d: Any) -> None:
+        """`d`: the Deployment (vllm/_deployment.py) of a TP group across nodes."""
         from ..relay.node import CurveKeys, Publisher
 
-        bind = os.environ.get(PUBLISH_ENV, "").strip()
-        if not bind:
+        n_remote_nodes, n_local, name = d.nodes - 1, d.n_readers, d.name
+        if not d.publish:
             raise InvalidArgument(
                 f"this vLLM tensor-parallel group spans {n_remote_nodes + 1} nodes: shmstore "
                 f"needs a relay per other node. Set {PUBLISH_ENV}=tcp://THIS_HOST:PORT here and "
                 "run `shmstore relay connect tcp://THIS_HOST:PORT --name NAME --readers N` on "
                 "each other node (see the README), or use --mm-processor-cache-type lru",
                 PUBLISH_ENV, None)
-        insecure = env_switch(INSECURE_ENV, False)
-        keys_file = os.environ.get(KEYS_ENV, "").strip()
-        allow = [p for p in os.environ.get(ALLOW_ENV, "").split(":") if p.strip()]
-        keys = CurveKeys.load(keys_file) if keys_file else None
-        allowed = [CurveKeys.load(p.strip()).public for p in allow] if allow else None
+        keys = CurveKeys.load(d.keys_file) if d.keys_file else None
+        allowed = [CurveKeys.load(p).public for p in d.allow] if d.allow else None
         self.n_remote_nodes = n_remote_nodes
         self.channel: ChannelWriter = make_channel(
             lambda **kw: Channel.create(name, n_readers=n_local + 1, inline_threshold=0, **kw))
         try:
-            self.publisher = Publisher(name, n_local, bind, server_keys=keys,
-                                       allowed_clients=allowed, allow_plaintext=insecure)
+            self.publisher = Publisher(name, n_local, d.publish, server_keys=keys,
+                                       allowed_clients=allowed, allow_plaintext=d.insecure)
         except BaseException:
             self.channel.close()
             raise
@@ -106,6 +87,11 @@ class HeadPublisher:
         """Every other node's relay is connected (a hand-out now reaches all of them), and
         the Publisher still serves (if it stopped, an error is in the log)."""
         return self.publisher.serving and self.publisher.nodes_connected >= self.n_remote_nodes
+
+    def renew(self, handle: Handle) -> Handle:
+        """Replace a hand-out kept a while by one made now: published hand-outs go out in the
+        order they are made (ChannelWriter.publish)."""
+        return self.channel.store.hand_out_again(handle)
 
     def publish(self, handle: Handle) -> None:
         """Send a hand-out just made to the nodes (Timeout: given back, see ChannelWriter)."""
@@ -128,8 +114,8 @@ class NodeFeed:
     channel, taking the relay's handles in order and the objects in any order. A relay that
     ends or dies is noticed between steps (poll) and a replacement on the same name attached."""
 
-    def __init__(self, name: str, n_local: int) -> None:
-        self.wait_s = _wait_seconds()
+    def __init__(self, name: str, n_local: int, wait_s: float) -> None:
+        self.wait_s = wait_s
         self.name = name
         self._n_local = n_local
         self._reader: ChannelReader | None = _attach_free(name, n_local)
@@ -219,10 +205,6 @@ class NodeFeed:
 
 
 FEED_ERRORS = (Timeout, Closed, WriterGone)  # what NodeFeed.get adds to a reader's errors
-
-
-def _wait_seconds() -> float:
-    return env_seconds(WAIT_ENV, DEFAULT_WAIT_S)
 
 
 def _attach_free(name: str, n_local: int) -> ChannelReader:

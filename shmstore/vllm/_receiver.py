@@ -14,29 +14,26 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from vllm.multimodal.cache.base import (
-    BaseMultiModalReceiverCache,
-    MultiModalCacheMissError,
-)
-
 from ..errors import (
     CorruptObject,
     StaleHandle,
 )
 from ..handle import key_digest
 from ..store.object_store import ObjectStore, StoreReader
-from ._config import first_reader, local_rank, settings
+from ._deployment import Deployment, local_rank
+from ._env import LOG_NAME
 from ._items import (
     HANDLE_FIELD,
     handle_from_item,
     object_id_from_item,
     value_to_item,
 )
-from ._nodes import FEED_ERRORS, NodeFeed, node_layout
+from ._nodes import FEED_ERRORS, NodeFeed
+from ._vllm import BaseMultiModalReceiverCache, MultiModalCacheMissError
 
 __all__ = ["ShmstoreReceiverCache"]
 
-log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
+log = logging.getLogger(LOG_NAME)
 
 READ_MEMORY = 1 << 16  # (request, hand-out) pairs a worker remembers having read
 
@@ -51,10 +48,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, shared_worker_lock: Any = None) -> None:
         super().__init__()  # shared_worker_lock: accepted, not needed (no cross-process lock)
-        self._name, _, _ = settings(vllm_config)
-        nodes, node_rank, n_local = node_layout(vllm_config)
-        self._engine = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
-        self._per_engine = n_local
+        d = self._deployment = Deployment.read(vllm_config)
+        self._name = d.name
         import torch
 
         # with CUDA, tensors land in page-locked memory: vLLM's copy to the device then needs
@@ -64,9 +59,9 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         self._feed: NodeFeed | None = None
         self._request: str | None = None  # the request whose items are being resolved
         self._read: OrderedDict[tuple[str | None, int], None] = OrderedDict()
-        if nodes > 1 and node_rank > 0:  # fed by this node's relay: attach before any request
-            self._feed = NodeFeed(self._name, n_local)
-        elif nodes > 1:
+        if d.nodes > 1 and d.node_rank > 0:  # fed by this node's relay: attach before any request
+            self._feed = NodeFeed(self._name, d.per_engine, d.wait_s)
+        elif d.nodes > 1:
             self._name = f"{self._name}.store"  # the head's channel's store
 
     @property
@@ -78,7 +73,7 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     def reader(self) -> StoreReader:
         """This worker's reader, attached at first use with the worker's local rank."""
         if self._reader is None:
-            first = first_reader(self._name, self._engine, self._per_engine)
+            first = self._deployment.first_reader(self._name)
             self._reader = ObjectStore.attach(self._name, first + local_rank(), prefault=False)
         return self._reader
 

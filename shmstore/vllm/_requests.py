@@ -51,12 +51,12 @@ from typing import Any
 
 from ..errors import ShmStoreError, StaleHandle
 from ..handle import Handle
-from ..store.object_store import StoreWriter
-from ..store.remote import RemoteWriter
+from ..store._api import WriterAPI
+from ._env import LOG_NAME
 
 __all__ = ["RequestLedger", "REASONS"]
 
-log = logging.getLogger("vllm.plugins.shmstore")
+log = logging.getLogger(LOG_NAME)
 REASONS = ("refused", "aborted", "finished_unread", "lease")
 PRUNE_EVERY_S = 1.0  # how often the sweep thread tells the store which hand-outs are over
 
@@ -77,10 +77,10 @@ class RequestLedger:
     """Which request each hand-out of one sender belongs to, and settling them when requests
     end. Any thread may call it; see the module docstring."""
 
-    def __init__(self, store: StoreWriter | RemoteWriter, settle_s: float, lease_s: float,
-                 busy: Callable[[Handle], bool], clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        self.lock = threading.RLock()
+    def __init__(self, store: WriterAPI, settle_s: float, lease_s: float,
+                 busy: Callable[[Handle], bool], clock: Callable[[], float] = time.monotonic,
+                 lock: threading.RLock | None = None) -> None:
+        self.lock = threading.RLock() if lock is None else lock
         self._store = store
         self._settle_s = settle_s
         self._lease_s = lease_s
@@ -262,13 +262,9 @@ class RequestLedger:
                 rec = self._handouts.get(number)
                 if rec is None:
                     continue
-                if isinstance(store, RemoteWriter):  # no round trip on the routing path
-                    store.narrow(rec.handle, number, readers, wait=False)
-                    continue
-                try:
-                    store.narrow(rec.handle, number, readers)
-                except StaleHandle:
-                    continue  # withdrawn or cleared meanwhile: its workers ask again
+                # posted: no round trip on the routing path; a handle withdrawn or cleared
+                # meanwhile is no error (its workers ask again)
+                store.narrow(rec.handle, number, readers, wait=False)
 
     @property
     def live_requests(self) -> int:

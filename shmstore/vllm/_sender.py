@@ -18,19 +18,11 @@ Sender (API process, "P0"), one per engine::
 from __future__ import annotations
 
 import logging
-import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from vllm.multimodal.cache.base import (
-    BaseMultiModalProcessorCache,
-    MultiModalCacheMissError,
-)
-from vllm.utils.cache import CacheInfo
-
-from .._proc import env_seconds
 from ..errors import (
-    InvalidArgument,
     KeyExists,
     KeyNotCached,
     ObjectTooLarge,
@@ -39,29 +31,24 @@ from ..errors import (
     Timeout,
 )
 from ..handle import Handle
-from ..store.host import MAX_KEYS, WriterHost
-from ..store.object_store import ObjectStore, StoreWriter
-from ..store.policy import DEFAULT_POLICY
-from ..store.remote import RemoteWriter
-from ._config import engines, settings
-from ._env import POLICY_ENV
+from ..store._api import WriterAPI
+from ..store.host import MAX_KEYS
+from ._deployment import Deployment, open_writer
+from ._env import LOG_NAME
 from ._items import (
     handle_from_item,
     handle_item,
     item_to_value,
     object_id_from_item,
 )
-from ._nodes import HeadPublisher, node_layout
+from ._nodes import HeadPublisher
 from ._requests import RequestLedger
+from ._vllm import BaseMultiModalProcessorCache, CacheInfo, MultiModalCacheMissError
 
-__all__ = ["ShmstoreSenderCache", "SENDERS", "SETTLE_ENV", "LEASE_ENV"]
+__all__ = ["ShmstoreSenderCache", "SENDERS"]
 
-log = logging.getLogger("vllm.plugins.shmstore")  # vLLM's handlers print it with its own lines
+log = logging.getLogger(LOG_NAME)
 
-SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread hand-outs go
-LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
-DEFAULT_SETTLE_S = 10.0  # covers the steps the engine may still run with an aborted request
-DEFAULT_LEASE_S = 60.0  # rendering to add_request takes milliseconds; this is the backstop
 PRUNE_UPDATES = 64  # prompt updates kept beyond twice those of cached items before a prune
 SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
 
@@ -74,63 +61,28 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__()
-        name, capacity, max_object = settings(vllm_config)
-        nodes, _, per_engine = node_layout(vllm_config)
-        self.engines = engines(vllm_config)
-        self.readers_per_engine = per_engine
-        n_readers = self.engines * per_engine
-        parallel = vllm_config.parallel_config
-        api_servers = int(getattr(parallel, "_api_process_count", 1))
-        api_rank = int(getattr(parallel, "_api_process_rank", 0))
-        policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
-        settle_s = env_seconds(SETTLE_ENV, DEFAULT_SETTLE_S)
-        lease_s = env_seconds(LEASE_ENV, DEFAULT_LEASE_S)
-
-        def make(create: Any) -> Any:
-            try:
-                return create(capacity_bytes=capacity, max_object_bytes=max_object, policy=policy)
-            except InvalidArgument as exc:
-                if exc.argument != "max_object_bytes":
-                    raise
-                # the limit is about the whole cache: what fits
-                return create(capacity_bytes=capacity, policy=policy)
-
-        self._head: HeadPublisher | None = None
-        self._host: WriterHost | None = None
-        self._store: StoreWriter | RemoteWriter
-        if nodes > 1:
-            self._head = HeadPublisher(make, name, n_readers, nodes - 1)
-            self._store = self._head.channel.store
-        elif api_servers > 1 and api_rank > 0:  # API server 0 writes; this one through it
-            self._store = RemoteWriter(name)
-        else:
-            # pages are taken as the ring fills, not all at start (vLLM's default capacity is
-            # 4 GiB; a server that sees few images should not hold all of it)
-            self._store = make(lambda **kw: ObjectStore.create(name, n_readers=n_readers,
-                                                               prefault=False, **kw))
+        d = Deployment.read(vllm_config)
+        self.deployment = d
+        self.engines, self.readers_per_engine = d.engines, d.per_engine
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
         self._prune_at = PRUNE_UPDATES
         self._touched: dict[str, tuple[Handle, int]] = {}  # kept hand-outs (and their numbers)
         self._hits = self._total = 0
         self._last = CacheInfo(hits=0, total=0)
-        self.ledger = RequestLedger(self._store, settle_s, lease_s, self._is_touched)
-        self._lock = self.ledger.lock
-        if api_servers > 1 and isinstance(self._store, StoreWriter):
-            try:
-                self._host = WriterHost(self._store, self._lock)
-            except BaseException:
-                self._store.close()
-                raise
-        self.segment, self.api_server = name, api_rank
+        self._lock = threading.RLock()  # around every call of the writer, the host's too
+        self._writers = open_writer(d, self._lock, lambda make: HeadPublisher(make, d))
+        self._store: WriterAPI = self._writers.store
+        self._head: HeadPublisher | None = self._writers.head
+        self.ledger = RequestLedger(self._store, d.settle_s, d.lease_s, self._is_touched,
+                                    lock=self._lock)
+        self.segment, self.api_server = d.name, d.api_rank
         self.items = dict.fromkeys(("hit", "shared", "stored", "inline"), 0)
         self._unregister_metrics = _export_metrics(self)
         SENDERS.append(self)
-        role = ("writes it" if isinstance(self._store, StoreWriter) else
-                "writes it through API server 0")
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
                  "layout: %d API server(s) (this is %d, %s), %d engine(s) x %d worker(s) = %d "
-                 "reader(s)%s", name, capacity, policy, api_servers, api_rank, role,
-                 self.engines, per_engine, n_readers,
+                 "reader(s)%s", d.name, d.capacity_bytes, d.policy, d.api_servers, d.api_rank,
+                 self._writers.role, d.engines, d.per_engine, d.n_readers,
                  "" if self._head is None else " on this node and the relay publisher")
 
     @property
@@ -139,7 +91,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         return self.items["inline"]
 
     @property
-    def store(self) -> StoreWriter | RemoteWriter:
+    def store(self) -> WriterAPI:
         return self._store
 
     def routed(self, request_id: str, engine: int) -> None:
@@ -206,7 +158,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             handle, number = kept
             if self._head is not None:
                 # published hand-outs go out in the order they are made: renew the kept one
-                handle = self._head.channel.store.hand_out_again(handle)
+                handle = self._head.renew(handle)
                 number = self._store.handout_seq
         if handle is None and self.is_cached_item(mm_hash):
             handle, number = self._store.get_cached(mm_hash), self._store.handout_seq
@@ -329,11 +281,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 SENDERS.remove(self)
             if not self._store.closed:
                 self.release_sender_touches()
-            if self._head is not None:
-                self._head.close()
-            if self._host is not None:
-                self._host.close()
-            self._store.close()
+            self._writers.close()
 
 
 
@@ -377,10 +325,10 @@ def _export_metrics(sender: ShmstoreSenderCache) -> Any:
     except ImportError:
         return lambda: None
     sources: list[Any] = [_SenderCollector(sender)]
-    store = sender.store
-    if isinstance(store, StoreWriter):
-        sources.append(StoreCollector(store, publisher=sender.publisher, lock=sender.ledger.lock))
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    local = sender._writers.local
+    if local is not None:  # the API server that writes the store reports it
+        sources.append(StoreCollector(local, publisher=sender.publisher, lock=sender.ledger.lock))
+    if sender.deployment.metrics_multiprocess:
         stops = [mirror_to_multiprocess(source) for source in sources]
     else:
         stops = [register_collector(source) for source in sources]

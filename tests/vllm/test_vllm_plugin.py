@@ -37,16 +37,16 @@ from vllm.multimodal.inputs import (  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from shmstore.relay.node import CurveKeys, Relay, generate_keys  # noqa: E402
-from shmstore.vllm._install import _remove_if_orphaned  # noqa: E402
-from shmstore.vllm._items import HANDLE_FIELD, handle_from_item  # noqa: E402
-from shmstore.vllm._nodes import (  # noqa: E402
+from shmstore.vllm._env import (  # noqa: E402
     ALLOW_ENV,
     INSECURE_ENV,
     KEYS_ENV,
     PUBLISH_ENV,
     WAIT_ENV,
-    NodeFeed,
 )
+from shmstore.vllm._install import _remove_if_orphaned  # noqa: E402
+from shmstore.vllm._items import HANDLE_FIELD, handle_from_item  # noqa: E402
+from shmstore.vllm._nodes import NodeFeed  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
 from tests._names import Channel, Closed, InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
@@ -629,7 +629,7 @@ def test_a_node_feed_skips_what_it_cannot_use_and_follows_a_relay_that_died(name
         deadline = time.monotonic() + 60
         while feed is None:
             try:
-                feed = NodeFeed(name, 1)
+                feed = NodeFeed(name, 1, wait_s=60.0)
             except SegmentNotFound:
                 assert time.monotonic() < deadline, "the relay process never made its channel"
                 time.sleep(0.05)

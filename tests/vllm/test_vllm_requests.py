@@ -20,10 +20,11 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 
+from shmstore.vllm._env import LEASE_ENV, SETTLE_ENV
 from shmstore.vllm._items import HANDLE_FIELD, handout_number
 from shmstore.vllm._receiver import ShmstoreReceiverCache
 from shmstore.vllm._requests import numbers_in
-from shmstore.vllm._sender import LEASE_ENV, SETTLE_ENV, ShmstoreSenderCache
+from shmstore.vllm._sender import ShmstoreSenderCache
 from tests.vllm.test_vllm_plugin import config, image_item, over_the_wire, same_item
 
 SETTLE_S = 0.3

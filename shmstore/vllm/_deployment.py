@@ -1,0 +1,216 @@
+"""Where the plugin's store is, who writes it and who reads it: read once from vLLM's
+configuration and the environment into a frozen Deployment (the only code that reads either),
+and the one function that picks the writer for this process's shape.
+
+Shapes, as `Deployment.shape` names them:
+
+    local    one API server (or API server 0 of several): this process creates the store
+             and writes it; with several API servers it also serves the writer to the
+             others (WriterHost)
+    remote   API server 1..N-1: writes the store through API server 0's WriterHost
+    relay    a tensor-parallel group across nodes: this process creates a Channel and its
+             relay Publisher; the other nodes' relays write their own stores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._proc import env_seconds, env_switch
+from ..errors import InvalidArgument
+from ..shm.segment import peek_header
+from ..store._api import WriterAPI
+from ..store.host import WriterHost
+from ..store.object_store import ObjectStore, StoreWriter
+from ..store.policy import DEFAULT_POLICY
+from ..store.remote import RemoteWriter
+from ._env import (
+    ALLOW_ENV,
+    INSECURE_ENV,
+    KEYS_ENV,
+    LEASE_ENV,
+    LOG_NAME,
+    METRICS_DIR_ENV,
+    POLICY_ENV,
+    PUBLISH_ENV,
+    SETTLE_ENV,
+    WAIT_ENV,
+)
+from ._vllm import buffer_name, world_local_rank
+
+__all__ = ["Deployment", "Writers", "open_writer", "local_rank"]
+
+log = logging.getLogger(LOG_NAME)
+GIB = 1 << 30
+MIB = 1 << 20
+DEFAULT_SETTLE_S = 10.0  # covers the steps the engine may still run with an aborted request
+DEFAULT_LEASE_S = 60.0  # rendering to add_request takes milliseconds; this is the backstop
+DEFAULT_WAIT_S = 60.0  # node k worker: how long it waits for an item's handle from its relay
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What the plugin needs of vLLM's configuration and the environment, read once."""
+
+    cache_type: str  # what the user asked for (--mm-processor-cache-type)
+    name: str  # the segment (vLLM's VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME)
+    capacity_bytes: int  # mm_processor_cache_gb
+    max_object_bytes: int  # mm_shm_cache_max_object_size_mb, at most the capacity
+    policy: str  # the store's eviction policy
+    api_servers: int
+    api_rank: int
+    engines: int  # engines on this node that share the store
+    engine: int  # this worker's engine (its DP index)
+    per_engine: int  # workers of each engine on this node (readers of one reader group)
+    nodes: int  # nodes of this TP/PP group
+    node_rank: int
+    unservable: str | None  # why one store cannot serve this deployment; None if it can
+    settle_s: float
+    lease_s: float
+    wait_s: float
+    publish: str  # head of a group across nodes: where its Publisher binds ("" unset)
+    keys_file: str  # its CurveZMQ key pair ("" unset)
+    allow: tuple[str, ...]  # relays' public key files
+    insecure: bool  # plain TCP, no keys
+    metrics_multiprocess: bool  # vLLM serves /metrics from prometheus_client's files
+
+    @classmethod
+    def read(cls, vllm_config: Any) -> Deployment:
+        """Read vLLM's configuration and the plugin's environment.
+
+        Raises:
+            InvalidArgument: an environment variable with a value it cannot take.
+        """
+        mm = vllm_config.model_config.get_multimodal_config()
+        parallel = vllm_config.parallel_config
+        capacity = int(mm.mm_processor_cache_gb * GIB)
+        dp = int(parallel.data_parallel_size)
+        dp_local = int(parallel.data_parallel_size_local)
+        external_lb = bool(parallel.data_parallel_external_lb)
+        engines = 1 if dp <= 1 or external_lb else dp_local
+        nodes = int(getattr(parallel, "nnodes_within_dp", 1))
+        api_servers = int(getattr(parallel, "_api_process_count", 1))
+        unservable = None
+        if dp > 1 and not external_lb and dp_local != dp and not parallel.data_parallel_hybrid_lb:
+            unservable = "data-parallel engines on other nodes behind the internal load balancer"
+        elif nodes > 1 and (api_servers > 1 or engines > 1):
+            unservable = "several API servers or engines with a tensor-parallel group across nodes"
+        env = os.environ
+        return cls(
+            cache_type=str(mm.mm_processor_cache_type), name=buffer_name(),
+            capacity_bytes=capacity,
+            max_object_bytes=min(int(mm.mm_shm_cache_max_object_size_mb * MIB), capacity),
+            policy=env.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY,
+            api_servers=api_servers, api_rank=int(getattr(parallel, "_api_process_rank", 0)),
+            engines=engines, engine=int(getattr(parallel, "data_parallel_index", 0) or 0),
+            per_engine=int(getattr(parallel, "local_world_size", parallel.world_size)),
+            nodes=nodes, node_rank=int(getattr(parallel, "node_rank_within_dp", 0)),
+            unservable=unservable,
+            settle_s=env_seconds(SETTLE_ENV, DEFAULT_SETTLE_S),
+            lease_s=env_seconds(LEASE_ENV, DEFAULT_LEASE_S),
+            wait_s=env_seconds(WAIT_ENV, DEFAULT_WAIT_S),
+            publish=env.get(PUBLISH_ENV, "").strip(), keys_file=env.get(KEYS_ENV, "").strip(),
+            allow=tuple(p.strip() for p in env.get(ALLOW_ENV, "").split(":") if p.strip()),
+            insecure=env_switch(INSECURE_ENV, False),
+            metrics_multiprocess=bool(env.get(METRICS_DIR_ENV)))
+
+    @property
+    def n_readers(self) -> int:
+        """Readers of the store on this node: every worker of every engine that shares it."""
+        return self.engines * self.per_engine
+
+    @property
+    def shape(self) -> str:
+        """local, remote or relay (the module docstring says what each is)."""
+        if self.nodes > 1:
+            return "relay"
+        return "remote" if self.api_servers > 1 and self.api_rank > 0 else "local"
+
+    def keeps_shm(self) -> bool:
+        """Whether the user's `shm` stays `shm` where vLLM would fall back to processor-only."""
+        if self.cache_type != "shm":
+            return False
+        if self.unservable is not None:
+            log.warning("shmstore: vLLM's processor-only cache stays (%s)", self.unservable)
+            return False
+        return True
+
+    def first_reader(self, name: str) -> int:
+        """The first reader index of this worker's engine (its DP rank) in store `name`: the
+        engines of a node take per_engine readers each, in rank order. (A DP engine of a
+        dense model no longer knows how many engines the node has: the store's reader count
+        says.)"""
+        header = peek_header(name)
+        engines = max(1, header[1] // self.per_engine) if header is not None else 1
+        return self.engine % engines * self.per_engine
+
+
+def local_rank() -> int:
+    """This worker's rank on its node: vLLM's world group once it exists, else LOCAL_RANK
+    (torch.distributed's, set by vLLM's launcher)."""
+    rank = world_local_rank()
+    return int(os.environ.get("LOCAL_RANK", "0")) if rank is None else rank
+
+
+@dataclass
+class Writers:
+    """What open_writer made for this process: the writer every call goes to, and what
+    serves it to others (a WriterHost, a relay head), closed in order by close()."""
+
+    store: WriterAPI
+    local: StoreWriter | None  # the store's own writer, if this process created it
+    host: WriterHost | None = None
+    head: Any = None  # _nodes.HeadPublisher, for a TP group across nodes
+
+    @property
+    def role(self) -> str:
+        return "writes it" if self.local is not None else "writes it through API server 0"
+
+    def close(self) -> None:
+        if self.head is not None:
+            self.head.close()
+        if self.host is not None:
+            self.host.close()
+        self.store.close()
+
+
+def open_writer(d: Deployment, lock: threading.RLock,
+                make_head: Callable[[Callable[..., Any]], Any]) -> Writers:
+    """The writer for this process's shape: a new store (local), API server 0's through its
+    host (remote), or a relay head's channel store (relay, made by `make_head(make)`). `lock`
+    is held around every call of the writer (the WriterHost takes it for its clients)."""
+
+    def make(create: Callable[..., Any]) -> Any:
+        try:
+            return create(capacity_bytes=d.capacity_bytes, max_object_bytes=d.max_object_bytes,
+                          policy=d.policy)
+        except InvalidArgument as exc:
+            if exc.argument != "max_object_bytes":
+                raise
+            # the limit is about the whole cache: what fits
+            return create(capacity_bytes=d.capacity_bytes, policy=d.policy)
+
+    if d.shape == "relay":
+        head = make_head(make)
+        return Writers(head.channel.store, head.channel.store, head=head)
+    if d.shape == "remote":
+        return Writers(RemoteWriter(d.name), None)
+    # pages are taken as the ring fills, not all at start (vLLM's default capacity is 4 GiB;
+    # a server that sees few images should not hold all of it)
+    store: StoreWriter = make(lambda **kw: ObjectStore.create(d.name, n_readers=d.n_readers,
+                                                             prefault=False, **kw))
+    writers = Writers(store, store)
+    if d.api_servers > 1:
+        try:
+            writers.host = WriterHost(store, lock)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                store.close()
+            raise
+    return writers

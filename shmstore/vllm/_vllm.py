@@ -1,0 +1,152 @@
+"""The plugin's one door to vLLM: every module, class, function and variable of the vllm
+package the plugin uses is imported or named here, and nowhere else in shmstore/vllm/
+(tests/vllm/test_vllm_door.py checks). A change of vLLM's API is a change of this module
+(and, for what the plugin reads of vLLM's configuration, of _deployment.py).
+
+What the plugin takes from vLLM (0.32; 0.33 is the same in these places):
+
+    cache classes      BaseMultiModalProcessorCache (API process), BaseMultiModalReceiverCache
+                       (workers), MultiModalCacheMissError, CacheInfo
+    item classes       MultiModalKwargsItem, MultiModalFieldElem, MultiModalFieldConfig and
+                       the flat, shared and batched fields
+    cache factories    processor_cache_from_config, worker_receiver_cache_from_config and
+                       _get_cache_type, re-bound in every module that imported them
+    request hooks      HOOK_POINTS: the methods whose calls tell the ledger a request's story
+    environment        VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME (the segment's name, vLLM's own)
+    workers            the world group's local rank
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm.multimodal.cache import factories
+from vllm.multimodal.cache.base import (
+    BaseMultiModalProcessorCache,
+    BaseMultiModalReceiverCache,
+    MultiModalCacheMissError,
+)
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldConfig,
+    MultiModalFieldElem,
+    MultiModalFlatField,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+)
+from vllm.utils.cache import CacheInfo
+
+from ._env import LOG_NAME
+
+__all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
+           "MultiModalCacheMissError", "CacheInfo", "MultiModalKwargsItem", "MultiModalFieldElem",
+           "MultiModalFieldConfig", "MultiModalFlatField", "MultiModalSharedField",
+           "MultiModalBatchedField", "HOOK_POINTS", "buffer_name", "world_local_rank",
+           "bind_cache_factories", "install_hooks"]
+
+log = logging.getLogger(LOG_NAME)
+
+# (module, class, method, hook): where each of _hooks.py's wrappers goes
+HOOK_POINTS = (
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", "add_request"),
+    # DP: the client picks the engine after rendering; only its workers owe the reads
+    ("vllm.v1.engine.core_client", "DPAsyncMPClient", "get_core_engine_for_request",
+     "engine_for_request"),
+    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request",
+     "engine_for_request"),
+    # the OpenAI server renders first: a request refused while rendering (a prompt over
+    # max_model_len once its image tokens count) never reaches process_inputs
+    ("vllm.renderers.base", "BaseRenderer", "render_chat_async", "render_async"),
+    ("vllm.renderers.base", "BaseRenderer", "render_cmpl_async", "render_async"),
+    ("vllm.renderers.base", "BaseRenderer", "_process_tokens_async", "process_tokens_async"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "_finish_request", "finish_request"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", "abort_requests"),
+    ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs", "process_inputs"),
+    ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "_apply_mm_cache", "apply_mm_cache"),
+)
+# modules that import the cache factories by name: each gets the plugin's
+FACTORY_IMPORTERS = ("vllm.multimodal.cache.factories", "vllm.multimodal.cache",
+                     "vllm.renderers.base", "vllm.v1.worker.worker_base")
+
+
+def buffer_name() -> str:
+    """vLLM's name for the shared-memory segment: the variable if set, else a fresh name per
+    process tree (vLLM sets it in the environment, so the processes it starts share it)."""
+    import vllm.envs as envs
+
+    return str(envs.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME)
+
+
+def world_local_rank() -> int | None:
+    """This worker's rank on its node from vLLM's world group; None before the group exists."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().local_rank)
+    except (ImportError, AssertionError, AttributeError):
+        return None
+
+
+def bind_cache_factories(make_sender: Callable[[Any], Any],
+                         make_receiver: Callable[[Any, Any], Any],
+                         keeps_shm: Callable[[Any], bool]) -> None:
+    """Make vLLM's `shm` cache type the plugin's: `make_sender(vllm_config)` in the API
+    process, `make_receiver(vllm_config, lock)` in workers. Where vLLM would turn IPC caching
+    off (several API servers, DP behind its internal load balancer), the type stays `shm`
+    when `keeps_shm(vllm_config)` says so (the user asked for `shm`, and one store can serve
+    the deployment). Idempotent."""
+    original_sender = factories.processor_cache_from_config
+    original_receiver = factories.worker_receiver_cache_from_config
+    original_type = factories._get_cache_type
+
+    def get_cache_type(vllm_config: Any) -> Any:
+        cache_type = original_type(vllm_config)
+        if cache_type == "processor_only" and keeps_shm(vllm_config):
+            return "shm"
+        return cache_type
+
+    if not getattr(original_type, "_shmstore_hook", False):  # install() may run again
+        get_cache_type._shmstore_hook = True  # type: ignore[attr-defined]
+        factories._get_cache_type = get_cache_type
+
+    def processor_cache_from_config(vllm_config: Any) -> Any:
+        if factories._get_cache_type(vllm_config) == "shm":
+            return make_sender(vllm_config)
+        return original_sender(vllm_config)
+
+    def worker_receiver_cache_from_config(vllm_config: Any, shared_worker_lock: Any) -> Any:
+        if factories._get_cache_type(vllm_config) == "shm":
+            return make_receiver(vllm_config, shared_worker_lock)
+        return original_receiver(vllm_config, shared_worker_lock)
+
+    patches = {"processor_cache_from_config": processor_cache_from_config,
+               "worker_receiver_cache_from_config": worker_receiver_cache_from_config}
+    for module_name in FACTORY_IMPORTERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # another vLLM layout: say so, patch what exists
+            log.warning("shmstore vLLM plugin: cannot import %s (%s)", module_name, exc)
+            continue
+        for attr, replacement in patches.items():
+            if hasattr(module, attr):
+                setattr(module, attr, replacement)
+
+
+def install_hooks(wrappers: dict[str, Callable[[Any], Any]], missing: str) -> None:
+    """Wrap each method of HOOK_POINTS with `wrappers[hook](original)` (once: a method
+    wrapped already is left alone). A method this vLLM lacks is logged with `missing`."""
+    for module_name, class_name, method, hook in HOOK_POINTS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            original = getattr(cls, method)
+        except (ImportError, AttributeError) as exc:
+            log.warning("shmstore vLLM plugin: no %s.%s.%s in this vLLM (%s); %s", module_name,
+                        class_name, method, exc, missing)
+            continue
+        if not getattr(original, "_shmstore_hook", False):
+            wrapped = wrappers[hook](original)
+            wrapped._shmstore_hook = True
+            setattr(cls, method, wrapped)

@@ -1,0 +1,123 @@
+"""The vLLM wing has one door: only vllm/_vllm.py imports or names the vllm package, only
+vllm/_deployment.py reads vLLM's configuration and the environment, every environment variable
+is named in vllm/_env.py, and no module asks which kind of writer it holds."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import shmstore
+
+WING = Path(shmstore.__file__).parent / "vllm"
+MODULES = sorted(WING.glob("*.py"))
+
+
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def names_vllm(path: Path) -> list[str]:
+    """Where `path` imports vllm or names one of its modules in a string."""
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "vllm"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "vllm":
+                found.append(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith("vllm.") and node.value != "vllm.plugins.shmstore":
+                found.append(node.value)
+    return found
+
+
+def reads_config_or_environment(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "vllm_config" or (node.value.id == "os" and
+                                                   node.attr in ("environ", "getenv")):
+                found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in ("env_seconds", "env_switch"):
+            found.append(f"line {node.lineno}: {node.id}")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_only_the_door_names_vllm(path: Path) -> None:
+    if path.name == "_vllm.py":
+        assert names_vllm(path), "the door names what it takes from vLLM"
+        return
+    assert not names_vllm(path), f"{path.name} names vLLM's API: go through _vllm.py"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_only_the_deployment_reads_vllms_configuration_and_the_environment(path: Path) -> None:
+    found = reads_config_or_environment(path)
+    if path.name == "_deployment.py":
+        assert found
+        return
+    if path.name == "plugin.py":  # the on/off switch, read before vLLM is imported
+        assert all("env_switch" in f for f in found), found
+        return
+    assert not found, f"{path.name} reads vLLM's configuration or the environment: {found}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_environment_variables_are_named_once_and_no_writer_kind_is_asked(path: Path) -> None:
+    for node in ast.walk(tree(path)):
+        if path.name != "_env.py" and isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            assert not [n for n in names if n.endswith("_ENV")], f"{path.name}: {names}"
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+            kinds = ast.unparse(node.args[1])
+            assert "Writer" not in kinds, f"{path.name} line {node.lineno}: isinstance {kinds}"
+
+
+def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom vllm.x import y\ndef f(vllm_config):\n"
+                   "    return vllm_config.parallel_config, os.environ, 'vllm.v1.engine'\n")
+    assert names_vllm(bad) == ["vllm.x", "vllm.v1.engine"]
+    assert [f.split(": ")[1] for f in reads_config_or_environment(bad)] == [
+        "vllm_config.parallel_config", "os.environ"]
+
+
+SHAPES = [  # (config fields, shape, readers, why it cannot be served)
+    ({}, "local", 2, None),
+    ({"api_servers": 2, "api_rank": 1}, "remote", 2, None),
+    ({"api_servers": 2, "dp": 2}, "local", 4, None),
+    ({"nodes": 2, "world_size": 4}, "relay", 2, None),
+    ({"nodes": 2, "world_size": 4, "api_servers": 2}, "relay", 2, "several API servers"),
+    ({"dp": 2, "dp_local": 1}, "local", 2, "other nodes"),
+]
+
+
+@pytest.mark.parametrize(("fields", "shape", "readers", "why"), SHAPES)
+def test_a_deployment_is_read_once_into_its_shape(fields: dict, shape: str, readers: int,
+                                                 why: str | None, monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from shmstore.vllm._deployment import Deployment
+    from tests.vllm.test_vllm_plugin import config
+
+    monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", "door-test")
+    d = Deployment.read(config("door-test", **fields))
+    assert (d.shape, d.n_readers, d.name) == (shape, readers, "door-test")
+    assert (d.unservable is None) if why is None else (why in (d.unservable or ""))
+    assert d.keeps_shm() is (why is None)
+    with pytest.raises(AttributeError):
+        d.name = "other"  # type: ignore[misc]
+
+
+def test_a_bad_environment_value_is_refused_when_the_deployment_is_read(monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from shmstore.errors import InvalidArgument
+    from shmstore.vllm._deployment import Deployment
+    from shmstore.vllm._env import SETTLE_ENV
+    from tests.vllm.test_vllm_plugin import config
+
+    monkeypatch.setenv(SETTLE_ENV, "soon")
+    with pytest.raises(InvalidArgument, match=SETTLE_ENV):
+        Deployment.read(config("x"))
