@@ -2,10 +2,14 @@
 loop, on one ring.
 
     object_store.py  ObjectStore.create / attach, StoreReader
-    writer.py        StoreWriter: the single writer's put, reserve, get_cached, clear, stats
-    _handouts.py     the writer's hand-outs: give back, narrow, end, withdraw, hand out again
+    writer.py        StoreWriter: a facade over the parts below, which each own their state;
+                     Lender: chunks lent to another process (WriterHost's alone)
+    _index.py        the writer's records: Entry, by key and by chunk seq
     _space.py        where the next object goes: reclaim, copy forward, wait for readers
-    _layout.py       the binary layout of the store's header, reader rows and objects
+    _handouts.py     the hand-out sequence: give back, narrow, end, withdraw, hand out again
+    _ledger.py       the writer's reading of the reader rows: reads owed, readers inside
+    _base.py         what writer and readers share: StoreBase, StoreStats
+    _layout.py       the binary layouts of the store's meta area, reader rows and objects
     policy.py        eviction policies: plain values in, a decision out
     _api.py          WriterAPI: the one interface StoreWriter and RemoteWriter meet
     host.py          WriterHost: one writer served to other processes of its user

@@ -1,78 +1,66 @@
-"""The writer's hand-out accounting: give back, narrow, end, withdraw and hand out again.
-
-HandOuts sits between StoreSpace (room) and StoreWriter (the API); writer.py has the picture
-of hand-outs and reads and the exception-safety rules every method here keeps.
+"""The writer's hand-outs: numbering them, giving them back, narrowing them to some readers,
+ending them, and withdrawing their objects (store/writer.py has the picture of hand-outs and
+reads, and the exception-safety rules every method here keeps). HandOuts owns the hand-out
+sequence; StoreWriter holds the guard of every call.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..errors import ReaderIndexError, StaleHandle
 from ..handle import Handle
-from ._layout import META_HANDOUT_SEQ
-from ._space import Entry, StoreSpace, one_thread
+from ..shm._ordering import Words
+from ._index import Entry, Index
+from ._space import Space
 
 __all__ = ["HandOuts"]
 
 
-class HandOuts(StoreSpace):
-    """Hand-outs of live objects, and taking them back; StoreWriter adds puts and lookups."""
+class HandOuts:
+    """Hand-outs of live objects, and taking them back."""
 
-    _handout_seq: int
-    _give_backs: int
+    def __init__(self, index: Index, space: Space, words: Words, seq_offset: int, *,
+                 name: str, n_readers: int, check_handle: Callable[[Handle], None]) -> None:
+        self._index = index
+        self._space = space
+        self._words = words
+        self._seq_offset = seq_offset  # the store meta word readers read the last number from
+        self.name = name
+        self.n_readers = n_readers
+        self._check_handle = check_handle
+        self.seq = 0  # the number of the last hand-out
+        self.give_backs = 0
 
-    @property
-    def handout_seq(self) -> int:
-        """The number of the last hand-out (put or get_cached)."""
-        return self._handout_seq
-
-    @one_thread
-    def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
+    def give_back(self, handle: Handle, number: int | None = None) -> None:
         """Take back one hand-out of `handle` that no reader will read (an aborted request):
         hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
-        wait=False (for callers that also drive a RemoteWriter, which then posts the call): a
-        handle gone meanwhile is not an error.
 
         Raises:
             StaleHandle: the object is gone, or has no such hand-out left to take back.
         """
-        self._guard_check()
-        if not wait:
-            with contextlib.suppress(StaleHandle):
-                self.give_back(handle, number)
-            return
         entry = self._handed_out(handle)
         if number is not None and number not in entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out number {number} to give back in "
                               f"store {self.name!r}; give each hand-out back at most once",
                               handle, self.name)
-        self._give_backs += 1
+        self.give_backs += 1
         if number is None:
             number = entry.handouts[-1]
         entry.narrowed.pop(number, None)
         entry.ended.discard(number)
         entry.handouts.remove(number)  # last: if this line ran, the give-back is done
 
-    @one_thread
-    def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
-               wait: bool = True) -> None:
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
         """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
         hand-out whose handle goes to some readers only, decided after it was made (the
-        engine a request goes to). A reader left out never pins the object for it. wait=False
-        as in give_back.
+        engine a request goes to). A reader left out never pins the object for it.
 
         Raises:
             StaleHandle: the object is gone, or has no hand-out `number`.
             ReaderIndexError: a reader index outside the store's readers.
         """
-        self._guard_check()
-        if not wait:
-            with contextlib.suppress(StaleHandle):
-                self.narrow(handle, number, readers)
-            return
-        entry = self._live_entry(handle)
+        entry = self.live_entry(handle)
         mask = 0
         for r in readers:
             if type(r) is not int or not 0 <= r < self.n_readers:
@@ -85,7 +73,6 @@ class HandOuts(StoreSpace):
                               f"{self.name!r}", handle, self.name)
         entry.narrowed[number] = mask
 
-    @one_thread
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
         """Say that the hand-outs of each (handle, numbers) are over: whoever they were made
         for will not read them any more (read or not). Once every hand-out of an object is
@@ -97,20 +84,18 @@ class HandOuts(StoreSpace):
             for each group, whether its object is still live and owed reads by some reader
             (the hand-outs just ended may be among the unread ones).
         """
-        self._guard_check()
         owed = []
         for handle, numbers in groups:
             try:
-                entry = self._live_entry(handle)
+                entry = self.live_entry(handle)
             except StaleHandle:
                 owed.append(False)
                 continue
             made = set(entry.handouts)
             entry.ended.update(n for n in numbers if n in made)
-            owed.append(any(self._owed(entry, force=False)))
+            owed.append(any(self._space.owed(entry, force=False)))
         return owed
 
-    @one_thread
     def unread(self, handle: Handle) -> tuple[int, ...]:
         """Reads each reader still owes on the object of `handle` (all zero once every hand-out
         has been read or given back). No side effect.
@@ -118,8 +103,7 @@ class HandOuts(StoreSpace):
         Raises:
             StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
         """
-        self._guard_check()
-        return tuple(self._owed(self._live_entry(handle), force=False))
+        return tuple(self._space.owed(self.live_entry(handle), force=False))
 
     def withdraw(self, handle: Handle) -> bool:
         """Drop the object of `handle` now, even though readers still owe reads on it: for
@@ -128,19 +112,14 @@ class HandOuts(StoreSpace):
         reused once the ring reaches it and no reader is inside it. Return False (and do
         nothing) if the object is gone already.
         """
-        self._guard_enter()
         try:
-            try:
-                entry = self._live_entry(handle)
-            except StaleHandle:
-                return False
-            self._withdrawn += 1
-            self._evict(entry)
-            return True
-        finally:
-            self._guard_leave()
+            entry = self.live_entry(handle)
+        except StaleHandle:
+            return False
+        self._space.withdraw(entry)
+        return True
 
-    def hand_out(self, handle: Handle) -> Handle:
+    def hand_out(self, handle: Handle, done: list[tuple[Entry, int]]) -> Handle:
         """Hand the object of `handle` out once more (one more read owed by every reader), as
         get_cached does by key; also for an object clear(keep_handed_out=True) kept for its
         readers. Not counted as a hit. The new hand-out's number is `handout_seq`.
@@ -148,17 +127,8 @@ class HandOuts(StoreSpace):
         Raises:
             StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
         """
-        done: list[tuple[Entry, int]] = []
-        try:
-            self._guard_enter()
-            try:
-                self._hand_out(self._live_entry(handle), done)
-                return handle
-            finally:
-                self._guard_leave()
-        except BaseException:
-            self._undo(done)
-            raise
+        self.make(self.live_entry(handle), done)
+        return handle
 
     def hand_out_again(self, handle: Handle) -> Handle:
         """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
@@ -168,21 +138,17 @@ class HandOuts(StoreSpace):
         Raises:
             StaleHandle: as give_back.
         """
-        self._guard_enter()
-        try:
-            entry = self._handed_out(handle)
-            number = self._handout_seq + 1
-            entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
-            self._advance_handouts(number)
-            return entry.handle
-        finally:
-            self._guard_leave()
+        entry = self._handed_out(handle)
+        number = self.seq + 1
+        entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
+        self._advance(number)
+        return entry.handle
 
-    def _live_entry(self, handle: Handle) -> Entry:
+    def live_entry(self, handle: Handle) -> Entry:
         """The live entry of `handle` (indexed or kept by clear for its readers); StaleHandle
         if none."""
         self._check_handle(handle)
-        entry = self._by_seq.get(handle.seq)
+        entry = self._index.by_seq.get(handle.seq)
         if entry is None or not entry.live or entry.handle != handle:
             raise StaleHandle(f"handle {handle} names no live object in store {self.name!r}; "
                               "it was reclaimed or cleared already", handle, self.name)
@@ -190,27 +156,27 @@ class HandOuts(StoreSpace):
 
     def _handed_out(self, handle: Handle) -> Entry:
         """The live entry of `handle` with a hand-out to take back; StaleHandle if none."""
-        entry = self._live_entry(handle)
+        entry = self.live_entry(handle)
         if not entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out left to give back in store "
                               f"{self.name!r}; give each hand-out back at most once",
                               handle, self.name)
         return entry
 
-    def _hand_out(self, entry: Entry, done: list[tuple[Entry, int]]) -> None:
-        number = self._handout_seq + 1
+    def make(self, entry: Entry, done: list[tuple[Entry, int]]) -> None:
+        number = self.seq + 1
         done.append((entry, number))
         entry.handouts.append(number)
-        self._advance_handouts(number)
+        self._advance(number)
 
-    def _advance_handouts(self, number: int) -> None:
-        self._handout_seq = number
+    def _advance(self, number: int) -> None:
+        self.seq = number
         # Full barrier: a reader attaching now publishes its row, then reads this number; one of
         # the two sides sees the other (see store.StoreReader attach).
-        self._words.exchange(self._meta + META_HANDOUT_SEQ, number)
+        self._words.exchange(self._seq_offset, number)
 
     @staticmethod
-    def _undo(done: list[tuple[Entry, int]]) -> None:
+    def undo(done: list[tuple[Entry, int]]) -> None:
         """Take back hand-outs whose handle never reached the caller."""
         for entry, number in done:
             if number in entry.handouts:

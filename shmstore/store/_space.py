@@ -1,136 +1,102 @@
-"""How the store writer makes room: reclaiming, reinserting and dropping old objects.
+"""Where the store writer's next object goes: reclaiming, copying forward and dropping old
+objects (store/writer.py has the picture and the exception-safety rules).
 
-StoreSpace is StoreWriter's base (store/writer.py has the picture and the exception-safety
-rules). The oldest chunk goes when no attached reader owes a read on it and none is inside it
-(pins); the policy may copy a hit object forward instead; a damaged object that blocks the
-writer is dropped and counted; a chunk still being filled by an open reserve() is never taken.
+The oldest chunk goes when no attached reader owes a read on it and none is inside it (pins);
+the policy may copy a hit object forward instead; a damaged object that blocks the writer is
+dropped and counted; a chunk still being filled by an open reserve() is never taken. Space
+owns its counters and the put's copy budget; the writer holds the guard of every call.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
 
-from ..errors import StoreFull, WrongThread
+from ..errors import StoreFull
 from ..handle import Handle
 from ..shm._wait import Deadline, wait_until
 from ..shm.ring import Chunk, RingWriter
-from ._layout import OBJECT_HEADER, ReaderLedger, StoreBase
+from ._index import Entry, Index
+from ._layout import OBJECT_HEADER
+from ._ledger import ReaderLedger
 from .policy import EvictionPolicy
 
-__all__ = ["StoreSpace", "Entry", "one_thread"]
+__all__ = ["Space"]
 
 log = logging.getLogger("shmstore")
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
 
+class Space:
+    """The ring of one writer, its policy and the readers' ledger, and what they decide."""
 
-def one_thread(method: _Method) -> _Method:
-    """A short writer call that refuses to start while another thread is inside the writer
-    (WrongThread); it does not hold the writer, so that its last statement stays its commit
-    point (an exception injected after it must not report undone what was done)."""
-    @functools.wraps(method)
-    def call(self: StoreSpace, *args: Any, **kwargs: Any) -> Any:
-        self._check_thread()
-        return method(self, *args, **kwargs)
-    return cast(_Method, call)
+    def __init__(self, ring: RingWriter, policy: EvictionPolicy, ledger: ReaderLedger,
+                 index: Index, *, name: str, header_bytes: int, epoch: int,
+                 check: Callable[[], None]) -> None:
+        self.ring = ring
+        self.policy = policy
+        self.ledger = ledger
+        self.index = index
+        self.name = name
+        self._header_bytes = header_bytes
+        self.epoch = epoch
+        self._check = check  # raises once the writer is closing (a wait ends)
+        self.budget = 0  # ring bytes the put making room may still copy forward
+        self.wanted = 0  # payload bytes the put that is making room needs
+        self.evictions = self.full_events = self.reinsertions = self.bytes_reinserted = 0
+        self.damaged = self.withdrawn = 0
 
+    def clear(self, keep_handed_out: bool) -> None:
+        """Forget every key (StoreWriter.clear says what stays readable)."""
+        ring = self.ring
+        for chunk in ring:
+            entry = chunk.owner
+            if entry is None or not entry.live:
+                continue
+            if keep_handed_out and any(self.owed(entry, force=False)):
+                entry.uses = 0  # out of the index: never copied forward
+                continue
+            self.drop(entry)
+            self.evictions += 1
+        self.index.by_key.clear()
+        self.policy.clear()
+        for chunk in ring:
+            owner = chunk.owner
+            if not chunk.tombstoned and not (owner and (owner.reserved or owner.live)):
+                ring.tombstone(chunk)
+        while ((oldest := ring.oldest()) is not None and oldest.tombstoned
+               and not self.ledger.pinned_by(oldest.seq)):
+            ring.pop_oldest(oldest)
 
-@dataclass(slots=True, eq=False)
-class Entry:
-    """The writer's record of one object."""
+    def lag(self) -> tuple[list[int], int]:
+        """(hand-outs each reader owes on live objects, live objects)."""
+        lag = [0] * self.ledger.n_readers
+        objects = 0
+        for chunk in self.ring:
+            entry = chunk.owner
+            if entry is None or not entry.live:
+                continue
+            objects += 1
+            for r, owed in enumerate(self.owed(entry, force=False)):
+                lag[r] += owed
+        return lag, objects
 
-    key: str | bytes
-    handle: Handle
-    chunk: Chunk
-    nbytes: int  # serialized body size
-    crc: int  # structure CRC as written
-    handouts: list[int] = field(default_factory=list)  # hand-out numbers not yet taken back
-    uses: int = 0  # the policy's use count (hits since written, as the policy counts them)
-    live: bool = True  # False once dropped (also mid-drop, if an exception cut it short)
-    reserved: bool = False  # being filled by an open reserve(): neither live nor reclaimable
-    origin: int = 0  # seq of the put that wrote these bytes (the header's origin_seq)
-    ended: set[int] = field(default_factory=set)  # hand-outs whose users said they are over
-    narrowed: dict[int, int] = field(default_factory=dict)  # hand-out -> mask of its readers
+    def withdraw(self, entry: Entry) -> None:
+        """Drop `entry` now although readers still owe reads on it (counted)."""
+        self.withdrawn += 1
+        self.evict(entry)
 
-
-class StoreSpace(StoreBase):
-    """The writer's space keeping; StoreWriter adds the API."""
-
-    _writer_ring: RingWriter
-    _policy: EvictionPolicy
-    _ledger: ReaderLedger
-    _index: dict[str | bytes, Entry]
-    _by_seq: dict[int, Entry]
-    _budget: int
-    _wanted: int  # payload bytes the put that is making room needs
-    _evictions: int
-    _full_events: int
-    _reinsertions: int
-    _bytes_reinserted: int
-    _damaged: int
-    _withdrawn: int
-    _busy: threading.RLock
-    _busy_thread: int = 0
-
-    # -- guard shortcuts ---------------------------------------------------------------------
-
-    def _guard_enter(self) -> None:
-        """Start a writer call: one thread at a time (WrongThread for a second one, rather
-        than a corrupted index), re-entrant for the same thread (a signal handler)."""
-        assert self._guard is not None  # set in __init__; never None on a writer
-        if not self._busy.acquire(blocking=False):
-            self._refuse_thread()
-        try:
-            self._busy_thread = threading.get_ident()
-            self._guard.enter()
-        except BaseException:
-            self._busy.release()
-            raise
-
-    def _check_thread(self) -> None:
-        """WrongThread if another thread is inside a writer call now."""
-        if not self._busy.acquire(blocking=False):
-            self._refuse_thread()
-        self._busy.release()
-
-    def _refuse_thread(self) -> None:
-        me = threading.get_ident()
-        raise WrongThread(
-            f"store {self.name!r}: thread {me} called the writer while thread "
-            f"{self._busy_thread} is inside a call of it; the writer is for one thread at "
-            "a time: hold one lock around every call (stats() may be called from any "
-            "thread)", self._busy_thread, me)
-
-    def _guard_leave(self) -> None:
-        assert self._guard is not None
-        try:
-            self._guard.leave()
-        finally:
-            self._busy.release()
-
-    def _guard_check(self) -> None:
-        assert self._guard is not None
-        self._guard.check()
-
-    # -- reclaiming space --------------------------------------------------------------------
-
-    def _make_room(self, payload_bytes: int, deadline: Deadline) -> Chunk:
-        ring = self._writer_ring
-        self._budget = self._policy.copy_budget(ring.chunk_bytes_for(payload_bytes))
-        self._wanted = payload_bytes
+    def make_room(self, payload_bytes: int, deadline: Deadline) -> Chunk:
+        ring = self.ring
+        self.budget = self.policy.copy_budget(ring.chunk_bytes_for(payload_bytes))
+        self.wanted = payload_bytes
         counted = force = False
         while True:
             blockers: tuple[int, ...] = ()
             while not ring.fits(payload_bytes):
                 if ring.oldest() is None:
                     raise StoreFull(f"store {self.name!r} cannot hold {payload_bytes} bytes even "
-                                    f"when empty (capacity {self.capacity_bytes} bytes); create "
-                                    "a larger store", payload_bytes, self.capacity_bytes)
+                                    f"when empty (capacity {self.ring.capacity_bytes} bytes); create "
+                                    "a larger store", payload_bytes, self.ring.capacity_bytes)
                 blockers = self._reclaim_oldest(force)
                 if blockers:
                     break
@@ -140,105 +106,97 @@ class StoreSpace(StoreBase):
                 force = True
                 continue
             if not counted:
-                self._full_events += 1
+                self.full_events += 1
                 counted = True
-            if deadline.expired() or not wait_until(self._oldest_free, deadline,
-                                                    check=self._guard_check):
+            if deadline.expired() or not wait_until(self.oldest_free, deadline,
+                                                    check=self._check):
                 raise self._full_error(payload_bytes, deadline, blockers)
             force = False
 
-    def _oldest_free(self) -> bool:
+    def oldest_free(self) -> bool:
         """Whether the oldest chunk could be reclaimed now (for waiting)."""
-        oldest = self._writer_ring.oldest()
+        oldest = self.ring.oldest()
         if oldest is None:
             return True
         entry = oldest.owner
         if entry is not None and entry.reserved:
             return False  # being filled in a reserve() block
-        if (entry is not None and entry.live and any(self._owed(entry, force=False))
-                and not self._over(entry)):
+        if (entry is not None and entry.live and any(self.owed(entry, force=False))
+                and not self.over(entry)):
             return False
-        return not self._ledger.pinned_by(oldest.seq) if oldest.tombstoned else True
+        return not self.ledger.pinned_by(oldest.seq) if oldest.tombstoned else True
 
     def _reclaim_oldest(self, force: bool) -> tuple[int, ...]:
         """Free (or, if the policy keeps it, move to the head) the oldest chunk; return the
         readers that block it, () when it went."""
-        ring = self._writer_ring
+        ring = self.ring
         chunk = ring.oldest()
         assert chunk is not None  # the caller checked
         entry = chunk.owner
         if entry is not None and entry.reserved:
             raise StoreFull(f"store {self.name!r} needs the space of an object still being "
                             f"filled in a reserve() block (key {entry.key!r}); leave that block "
-                            "first, or create a larger store", 0, self.capacity_bytes, ())
+                            "first, or create a larger store", 0, self.ring.capacity_bytes, ())
         if entry is not None and entry.live:
-            owed = self._owed(entry, force)
-            if any(owed) and self._over(entry):
+            owed = self.owed(entry, force)
+            if any(owed) and self.over(entry):
                 # every hand-out of it is over (end_handouts): nobody will read the rest
-                self._withdrawn += 1
-                self._evict(entry)
+                self.withdrawn += 1
+                self.evict(entry)
             elif any(owed):
                 if not (force and self._damaged_in_shm(entry)):
                     return tuple(r for r, n in enumerate(owed) if n)
                 log.warning("store %r: object seq %d (key %r) is damaged in shared memory and "
                             "cannot be read; dropping it", self.name, chunk.seq, entry.key)
-                self._damaged += 1
-                self._drop(entry)
-            elif (self._indexed(entry)
-                  and self._policy.keep(entry.uses, chunk.chunk_bytes, self._budget)):
+                self.damaged += 1
+                self.drop(entry)
+            elif (self.index.names(entry)
+                  and self.policy.keep(entry.uses, chunk.chunk_bytes, self.budget)):
                 return self._reinsert(entry)
             else:
-                self._evict(entry)
+                self.evict(entry)
         if not chunk.tombstoned:
             ring.tombstone(chunk)
-        pinned = self._ledger.pinned_by(chunk.seq)
+        pinned = self.ledger.pinned_by(chunk.seq)
         if pinned:
             return pinned
         ring.pop_oldest(chunk)
         return ()
 
     @staticmethod
-    def _over(entry: Entry) -> bool:
+    def over(entry: Entry) -> bool:
         """Whether every hand-out of `entry` was said to be over (StoreWriter.end_handouts)."""
         return bool(entry.ended) and entry.ended.issuperset(entry.handouts)
 
-    def _indexed(self, entry: Entry) -> bool:
-        """Whether `entry` is what its key names (not an object clear kept for its readers)."""
-        return self._index.get(entry.key) is entry
+    def drop(self, entry: Entry) -> None:
+        self.index.drop(entry)
 
-    def _drop(self, entry: Entry) -> None:
-        entry.live = False  # first: lookups now ignore it, whatever happens next
-        if self._indexed(entry):
-            del self._index[entry.key]
-        if self._by_seq.get(entry.chunk.seq) is entry:
-            del self._by_seq[entry.chunk.seq]
-
-    def _evict(self, entry: Entry) -> None:
+    def evict(self, entry: Entry) -> None:
         """Drop `entry` (counted; told to the policy while its key still names it)."""
-        indexed = self._indexed(entry)
-        self._drop(entry)
-        self._evictions += 1
+        indexed = self.index.names(entry)
+        self.drop(entry)
+        self.evictions += 1
         if indexed:
-            self._policy.evicted(entry.key, len(self._index))
+            self.policy.evicted(entry.key, len(self.index.by_key))
 
     def _reinsert(self, entry: Entry) -> tuple[int, ...]:
         """Copy a fully read object from the tail to the head; its old handles become stale."""
-        ring = self._writer_ring
+        ring = self.ring
         old = entry.chunk
         entry.live = False  # until committed at the new place
         saved = bytes(ring.payload(old))  # the new chunk may overlap the old one
         ring.tombstone(old)
-        pinned = self._ledger.pinned_by(old.seq)
+        pinned = self.ledger.pinned_by(old.seq)
         if pinned:  # a reader is inside it beyond its hand-outs: drop it instead
-            self._evict(entry)
+            self.evict(entry)
             return pinned
         ring.pop_oldest(old)
-        if self._by_seq.get(old.seq) is entry:
-            del self._by_seq[old.seq]
-        if not ring.fits(len(saved)) or (ring.fits(self._wanted) and not self._oldest_free()):
+        if self.index.by_seq.get(old.seq) is entry:
+            del self.index.by_seq[old.seq]
+        if not ring.fits(len(saved)) or (ring.fits(self.wanted) and not self.oldest_free()):
             # no room for the copy; or the put fits in the space it leaves while the next
             # object is still owed: copied forward, it would take that space and the put fail
-            self._evict(entry)
+            self.evict(entry)
             return ()
         new = ring.allocate(len(saved))
         payload = ring.payload(new)
@@ -249,22 +207,22 @@ class StoreSpace(StoreBase):
         entry.handouts = []
         entry.ended.clear()
         entry.narrowed.clear()
-        entry.uses = self._policy.kept(entry.uses)
+        entry.uses = self.policy.kept(entry.uses)
         new.owner = entry
-        self._by_seq[new.seq] = entry
+        self.index.by_seq[new.seq] = entry
         entry.live = True
-        self._budget -= new.chunk_bytes
-        self._reinsertions += 1
-        self._bytes_reinserted += new.chunk_bytes
+        self.budget -= new.chunk_bytes
+        self.reinsertions += 1
+        self.bytes_reinserted += new.chunk_bytes
         return ()
 
-    def _owed(self, entry: Entry, force: bool) -> list[int]:
+    def owed(self, entry: Entry, force: bool) -> list[int]:
         """Reads each reader still owes on `entry`."""
-        return self._ledger.owed(entry.handouts, entry.chunk.address, force, entry.narrowed)
+        return self.ledger.owed(entry.handouts, entry.chunk.address, force, entry.narrowed)
 
     def _damaged_in_shm(self, entry: Entry) -> bool:
         """Whether the chunk or object header in shared memory differs from what was written."""
-        ring = self._writer_ring
+        ring = self.ring
         if not ring.header_intact(entry.chunk):
             return True
         digest, nbytes, crc, _ = OBJECT_HEADER.unpack_from(ring.payload(entry.chunk), 0)
@@ -272,7 +230,7 @@ class StoreSpace(StoreBase):
 
     def _full_error(self, payload_bytes: int, deadline: Deadline,
                     blockers: tuple[int, ...]) -> StoreFull:
-        oldest = self._writer_ring.oldest()
+        oldest = self.ring.oldest()
         entry = oldest.owner if oldest is not None else None
         waited = f" after waiting {deadline.timeout_s} s" if deadline.timeout_s else ""
         what = (f"the oldest object (key {entry.key!r}, handed out {len(entry.handouts)} times) "
@@ -280,7 +238,7 @@ class StoreSpace(StoreBase):
                 else "the oldest object is still being read by")
         return StoreFull(
             f"store {self.name!r} is full{waited}: {payload_bytes} bytes needed, "
-            f"{self._writer_ring.used_bytes} of {self.capacity_bytes} in use, and {what} "
+            f"{self.ring.used_bytes} of {self.ring.capacity_bytes} in use, and {what} "
             f"reader(s) {list(blockers)}. Have them read it (or give_back() its handle), pass a "
             "timeout to put(), or create a larger store",
-            payload_bytes, self.capacity_bytes, blockers)
+            payload_bytes, self.ring.capacity_bytes, blockers)

@@ -37,9 +37,8 @@ from typing import Any
 from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
 from ..handle import Handle
 from ..shm._closeable import Closeable
-from ._space import Entry
 from ._wire import MAX_KEYS, PROTOCOL, handle_to_wire, parse_request, recv_frame, send_frame
-from .writer import StoreWriter
+from .writer import Lender, StoreWriter
 
 __all__ = ["WriterHost", "host_address", "peer_uid", "MAX_KEYS"]
 
@@ -59,17 +58,6 @@ def host_address(name: str) -> str:
 def peer_uid(sock: socket.socket) -> int:
     uid: int = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
     return uid
-
-
-class _Sized:
-    """What StoreWriter needs of an Encoded to lend a chunk for it (its body is written
-    elsewhere)."""
-
-    __slots__ = ("nbytes", "structure_crc")
-
-    def __init__(self, nbytes: int, structure_crc: int) -> None:
-        self.nbytes = nbytes
-        self.structure_crc = structure_crc
 
 
 class WriterHost(Closeable):
@@ -125,7 +113,7 @@ class WriterHost(Closeable):
                              name=f"shmstore-host-{self._writer.name}-client").start()
 
     def _serve(self, sock: socket.socket) -> None:
-        loans: dict[int, Entry] = {}
+        loans = Lender(self._writer)
         try:
             while not self._closing:
                 frame = recv_frame(sock)
@@ -149,8 +137,7 @@ class WriterHost(Closeable):
                 log.warning("shmstore: store %r dropped a client: %s", self._writer.name, exc)
         finally:
             with self._lock:
-                for entry in loans.values():
-                    entry.reserved = False  # an orphan: freed when the ring reaches it
+                loans.close()  # what is still lent: orphans, freed when the ring reaches them
             self._clients.discard(sock)
             sock.close()
 
@@ -166,9 +153,9 @@ class WriterHost(Closeable):
 
     # -- one handler per operation of _wire.OPS: (decoded args, this client's loans) -> reply
 
-    def _handler_table(self) -> dict[str, Callable[[list[Any], dict[int, Entry]], Any]]:
+    def _handler_table(self) -> dict[str, Callable[[list[Any], Lender], Any]]:
         w = self._writer
-        table: dict[str, Callable[[list[Any], dict[int, Entry]], Any]] = {
+        table: dict[str, Callable[[list[Any], Lender], Any]] = {
             "hello": lambda a, _: [PROTOCOL, w.name, w.n_readers, w.max_object_bytes],
             "len": lambda a, _: len(w),
             "is_cached": lambda a, _: w.is_cached(a[0]),
@@ -195,26 +182,22 @@ class WriterHost(Closeable):
         """The reply of a hand-out just made: [handle, its number, the object's id]."""
         return [handle_to_wire(made[0]), made[1], self._writer.object_id(key)]
 
-    def _begin(self, args: list[Any], loans: dict[int, Entry]) -> list[int]:
-        key, nbytes, crc = args
+    def _begin(self, args: list[Any], loans: Lender) -> list[int]:
         if len(loans) >= MAX_LOANS:
             raise ProtocolError(f"more than {MAX_LOANS} chunks lent at once")
-        entry = self._writer.lend(key, _Sized(nbytes, crc))
-        loans[entry.chunk.seq] = entry
-        return [entry.chunk.seq, self._writer.body_offset(entry)]
+        return list(loans.begin(*args))
 
-    def _lent(self, op: str, loan: int, loans: dict[int, Entry]) -> Entry:
-        lent = loans.pop(loan, None)
-        if lent is None:
+    def _lent(self, op: str, loan: int, loans: Lender) -> int:
+        if loan not in loans:
             raise ProtocolError(f"{op}: no chunk lent under that number")
-        return lent
+        return loan
 
-    def _commit(self, args: list[Any], loans: dict[int, Entry]) -> list[Any]:
-        lent = self._lent("commit", args[0], loans)
-        return self._handed(lent.key, (self._writer.commit_loan(lent), self._writer.handout_seq))
+    def _commit(self, args: list[Any], loans: Lender) -> list[Any]:
+        key, handle = loans.commit(self._lent("commit", args[0], loans))
+        return self._handed(key, (handle, self._writer.handout_seq))
 
-    def _abandon(self, args: list[Any], loans: dict[int, Entry]) -> None:
-        self._lent("abandon", args[0], loans).reserved = False
+    def _abandon(self, args: list[Any], loans: Lender) -> None:
+        loans.abandon(self._lent("abandon", args[0], loans))
 
     def close(self) -> None:
         """Stop serving; connected clients' calls fail with Closed. Idempotent."""

@@ -28,6 +28,7 @@ from ..shm._closeable import CallGuard
 from ..shm._readers import MAX_READERS
 from ..shm.ring import RingWriter, ShmRingBuffer
 from ..shm.segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
+from ._base import StoreBase, StoreStats
 from ._layout import (
     COUNT_MASK,
     MAX_PINS,
@@ -42,8 +43,6 @@ from ._layout import (
     STORE_META,
     STORE_ROW,
     U64,
-    StoreBase,
-    StoreStats,
     counter_offset,
     object_header_bytes,
 )

@@ -20,12 +20,14 @@ dropped and counted (damaged_objects).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -33,7 +35,9 @@ from ..errors import (
     KeyExists,
     KeyNotCached,
     ObjectTooLarge,
+    StaleHandle,
     Timeout,
+    WrongThread,
 )
 from ..handle import Handle, check_key, key_digest
 from ..serde.codec import Encoded, blank_key, encode
@@ -42,18 +46,28 @@ from ..shm._readers import Liveness
 from ..shm._wait import Deadline, wait_until
 from ..shm.ring import RingWriter
 from ..shm.segment import ALIGN_BYTES
+from ._base import StoreBase, StoreStats
 from ._handouts import HandOuts
-from ._layout import (
-    OBJECT_HEADER,
-    ROW_CORRUPT_READS,
-    U64,
-    ReaderLedger,
-    StoreStats,
-)
-from ._space import Entry, one_thread
+from ._index import Entry, Index
+from ._layout import META_HANDOUT_SEQ, OBJECT_HEADER, ROW_CORRUPT_READS, U64
+from ._ledger import ReaderLedger
+from ._space import Space
 from .policy import EvictionPolicy
 
-__all__ = ["StoreWriter", "Reservation"]
+__all__ = ["StoreWriter", "Reservation", "Lender"]
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_thread(method: _Method) -> _Method:
+    """A short writer call that refuses to start while another thread is inside the writer
+    (WrongThread); it does not hold the writer, so that its last statement stays its commit
+    point (an exception injected after it must not report undone what was done)."""
+    @functools.wraps(method)
+    def call(self: StoreWriter, *args: Any, **kwargs: Any) -> Any:
+        self._check_thread()
+        return method(self, *args, **kwargs)
+    return cast(_Method, call)
 
 STATS_TRIES = 100  # stats() from another thread reads again if a put tore its snapshot
 
@@ -71,13 +85,20 @@ class Reservation:
                 view.flags.writeable = False  # the object is published (or abandoned)
 
 
-class StoreWriter(HandOuts):
+class StoreWriter(StoreBase):
     """The single writer: put, get_cached, give_back, clear, stats. Keeps the key index.
 
     Only the process that created the store may call it. Handles it returns stay valid until
     every reader has read them as often as they were handed out and the space is needed, or
     until clear().
+
+    A facade over parts that each own their state (as trio's channel endpoints share one
+    state object): the Index of entries, the Space that makes room (ring, policy, the
+    readers' ledger and its counters) and the HandOuts (the hand-out sequence). The facade
+    holds the guard of every call: one thread at a time, a close that waits for calls.
     """
+
+    _busy_thread: int = 0
 
     def __init__(self, ring: RingWriter, policy: EvictionPolicy) -> None:
         self._busy = threading.RLock()  # held by the thread inside a call (_guard_enter)
@@ -87,13 +108,63 @@ class StoreWriter(HandOuts):
         policy.start(ring.capacity_bytes)
         self._guard = CallGuard(f"store {self.name!r} (writer)", os.getpid())
         self._liveness = Liveness(self._table)
-        self._ledger = ReaderLedger(self._words, self._table, self._liveness)
-        self._index: dict[str | bytes, Entry] = {}
-        self._by_seq: dict[int, Entry] = {}
-        self._handout_seq = 0
-        self._budget = self._wanted = 0
-        self._puts = self._hits = self._evictions = self._give_backs = self._full_events = 0
-        self._reinsertions = self._bytes_reinserted = self._damaged = self._withdrawn = 0
+        self._index = Index()
+        self._space = Space(ring, policy, ReaderLedger(self._words, self._table, self._liveness),
+                            self._index, name=self.name, header_bytes=self._header_bytes,
+                            epoch=self.epoch, check=self._guard_check)
+        self._handouts = HandOuts(self._index, self._space, self._words,
+                                  self._meta + META_HANDOUT_SEQ, name=self.name,
+                                  n_readers=self.n_readers, check_handle=self._check_handle)
+        self._puts = self._hits = 0
+
+    # -- the guard ---------------------------------------------------------------------------
+
+    def _guard_enter(self) -> None:
+        """Start a writer call: one thread at a time (WrongThread for a second one, rather
+        than a corrupted index), re-entrant for the same thread (a signal handler)."""
+        assert self._guard is not None  # set in __init__; never None on a writer
+        if not self._busy.acquire(blocking=False):
+            self._refuse_thread()
+        try:
+            self._busy_thread = threading.get_ident()
+            self._guard.enter()
+        except BaseException:
+            self._busy.release()
+            raise
+
+    def _check_thread(self) -> None:
+        """WrongThread if another thread is inside a writer call now."""
+        if not self._busy.acquire(blocking=False):
+            self._refuse_thread()
+        self._busy.release()
+
+    def _refuse_thread(self) -> None:
+        me = threading.get_ident()
+        raise WrongThread(
+            f"store {self.name!r}: thread {me} called the writer while thread "
+            f"{self._busy_thread} is inside a call of it; the writer is for one thread at "
+            "a time: hold one lock around every call (stats() may be called from any "
+            "thread)", self._busy_thread, me)
+
+    def _guard_leave(self) -> None:
+        assert self._guard is not None
+        try:
+            self._guard.leave()
+        finally:
+            self._busy.release()
+
+    def _guard_check(self) -> None:
+        assert self._guard is not None
+        self._guard.check()
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """One writer call that holds the writer (see _guard_enter)."""
+        self._guard_enter()
+        try:
+            yield
+        finally:
+            self._guard_leave()
 
     # -- the API -----------------------------------------------------------------------------
 
@@ -125,7 +196,7 @@ class StoreWriter(HandOuts):
             finally:
                 self._guard_leave()
         except BaseException:
-            self._undo(done)
+            HandOuts.undo(done)
             raise
 
     @contextmanager
@@ -166,48 +237,9 @@ class StoreWriter(HandOuts):
             finally:
                 self._guard_leave()
         except BaseException:
-            self._undo(done)
+            HandOuts.undo(done)
             if entry is not None:
                 entry.reserved = False  # an orphan now: freed when the ring reaches it
-            raise
-
-    def lend(self, key: str | bytes, sized: Any) -> Entry:
-        """Make room for an object of `sized.nbytes` (serialized, with `sized.structure_crc`)
-        whose body another process writes at body_offset(); publish it with commit_loan, or
-        set `.reserved = False` on the returned record to give the room back (store/host.py).
-
-        Raises:
-            KeyExists, ObjectTooLarge, StoreFull: as put() with timeout 0.
-        """
-        check_key(key)
-        self._guard_enter()
-        try:
-            entry = self._begin(key, sized, Deadline(0))
-            entry.reserved = True  # another process writes into it: not reclaimable
-            return entry
-        finally:
-            self._guard_leave()
-
-    def body_offset(self, entry: Entry) -> int:
-        """Byte offset in the segment where the body of lent `entry` goes."""
-        return entry.chunk.address + ALIGN_BYTES + self._header_bytes
-
-    def commit_loan(self, entry: Entry) -> Handle:
-        """Publish lent `entry` once its body is written: index it and hand it out once.
-
-        Raises:
-            KeyExists: the key was put meanwhile (the room is given back).
-        """
-        done: list[tuple[Entry, int]] = []
-        try:
-            self._guard_enter()
-            try:
-                return self._commit(entry, done)
-            finally:
-                self._guard_leave()
-        except BaseException:
-            self._undo(done)
-            entry.reserved = False
             raise
 
     def get_cached(self, key: str | bytes) -> Handle:
@@ -241,37 +273,37 @@ class StoreWriter(HandOuts):
             finally:
                 self._guard_leave()
         except BaseException:
-            self._undo(done)
+            HandOuts.undo(done)
             raise
 
     def _hit(self, key: str | bytes, done: list[tuple[Entry, int]]) -> tuple[Handle, int] | None:
-        entry = self._lookup(key)
+        entry = self._index.lookup(key)
         if entry is None:
             return None
-        self._hand_out(entry, done)
+        self._handouts.make(entry, done)
         self._policy.requested(entry.key, entry.chunk.chunk_bytes)
         entry.uses = self._policy.hit(entry.uses)
         self._hits += 1
-        return entry.handle, self._handout_seq
+        return entry.handle, self._handouts.seq
 
     @one_thread
     def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
         """is_cached for each of `keys`; no side effect."""
         self._guard_check()
-        return [self._lookup(key) is not None for key in keys]
+        return [self._index.lookup(key) is not None for key in keys]
 
     @one_thread
     def is_cached(self, key: str | bytes) -> bool:
         """Say whether `key` is in the store; no side effect."""
         self._guard_check()
-        return self._lookup(key) is not None
+        return self._index.lookup(key) is not None
 
     @one_thread
     def handle_of(self, key: str | bytes) -> Handle | None:
         """The handle of the cached object of `key` without handing it out (None if it is not
         cached); for checking a handle that arrived from elsewhere. No side effect."""
         self._guard_check()
-        entry = self._lookup(key)
+        entry = self._index.lookup(key)
         return None if entry is None else entry.handle
 
     @one_thread
@@ -280,17 +312,123 @@ class StoreWriter(HandOuts):
         StoredBody.object_id), None if it is not cached: the key a relay node stores these
         bytes under. No side effect."""
         self._guard_check()
-        entry = self._lookup(key)
+        entry = self._index.lookup(key)
         return None if entry is None else entry.handle.key_digest + U64.pack(entry.origin)
 
     @one_thread
     def object_bytes(self, key: str | bytes) -> int:
         """Serialized size of the cached object of `key`; KeyNotCached if it is not cached."""
         self._guard_check()
-        entry = self._lookup(key)
+        entry = self._index.lookup(key)
         if entry is None:
             raise KeyNotCached(f"key {key!r} is not in store {self.name!r}", key)
         return entry.nbytes
+
+    # -- hand-outs (store/_handouts.py) -------------------------------------------------------
+
+    @property
+    def handout_seq(self) -> int:
+        """The number of the last hand-out (put or get_cached)."""
+        return self._handouts.seq
+
+    @one_thread
+    def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
+        """Take back one hand-out of `handle` that no reader will read (an aborted request):
+        hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
+        wait=False (for callers that also drive a RemoteWriter, which then posts the call): a
+        handle gone meanwhile is not an error.
+
+        Raises:
+            StaleHandle: the object is gone, or has no such hand-out left to take back.
+        """
+        self._guard_check()
+        if not wait:
+            with contextlib.suppress(StaleHandle):
+                self._handouts.give_back(handle, number)
+            return
+        self._handouts.give_back(handle, number)
+
+    @one_thread
+    def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
+               wait: bool = True) -> None:
+        """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
+        hand-out whose handle goes to some readers only, decided after it was made (the
+        engine a request goes to). A reader left out never pins the object for it. wait=False
+        as in give_back.
+
+        Raises:
+            StaleHandle: the object is gone, or has no hand-out `number`.
+            ReaderIndexError: a reader index outside the store's readers.
+        """
+        self._guard_check()
+        if not wait:
+            with contextlib.suppress(StaleHandle):
+                self._handouts.narrow(handle, number, readers)
+            return
+        self._handouts.narrow(handle, number, readers)
+
+    @one_thread
+    def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
+        """Say that the hand-outs of each (handle, numbers) are over: whoever they were made
+        for will not read them any more (read or not). Once every hand-out of an object is
+        over, the store withdraws it when it needs the space even if readers still owe reads
+        on it (as withdraw() would; a late read fails loudly). Numbers an object does not have
+        are ignored, as are objects that are gone.
+
+        Returns:
+            for each group, whether its object is still live and owed reads by some reader
+            (the hand-outs just ended may be among the unread ones).
+        """
+        self._guard_check()
+        return self._handouts.end_handouts(groups)
+
+    @one_thread
+    def unread(self, handle: Handle) -> tuple[int, ...]:
+        """Reads each reader still owes on the object of `handle` (all zero once every hand-out
+        has been read or given back). No side effect.
+
+        Raises:
+            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
+        """
+        self._guard_check()
+        return self._handouts.unread(handle)
+
+    def withdraw(self, handle: Handle) -> bool:
+        """Drop the object of `handle` now, even though readers still owe reads on it: for
+        hand-outs that will never be read (their requests ended) but that a reader may still
+        hold. Every handle of it becomes stale (a late read raises StaleHandle); its space is
+        reused once the ring reaches it and no reader is inside it. Return False (and do
+        nothing) if the object is gone already.
+        """
+        with self._call():
+            return self._handouts.withdraw(handle)
+
+    def hand_out(self, handle: Handle) -> Handle:
+        """Hand the object of `handle` out once more (one more read owed by every reader), as
+        get_cached does by key; also for an object clear(keep_handed_out=True) kept for its
+        readers. Not counted as a hit. The new hand-out's number is `handout_seq`.
+
+        Raises:
+            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
+        """
+        done: list[tuple[Entry, int]] = []
+        try:
+            with self._call():
+                return self._handouts.hand_out(handle, done)
+        except BaseException:
+            HandOuts.undo(done)
+            raise
+
+    def hand_out_again(self, handle: Handle) -> Handle:
+        """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
+        writer that publishes its hand-outs in order (ChannelWriter.publish) and kept this one
+        a while before sending it (against eviction). Neither a hit nor a give-back.
+
+        Raises:
+            StaleHandle: as give_back.
+        """
+        with self._call():
+            return self._handouts.hand_out_again(handle)
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
         """Forget every key: the store is empty to lookups and puts from now on.
@@ -302,29 +440,8 @@ class StoreWriter(HandOuts):
         inside an object (get or view in progress) finishes with the bytes it started with:
         their space is reused only after it leaves.
         """
-        self._guard_enter()
-        try:
-            ring = self._writer_ring
-            for chunk in ring:
-                entry = chunk.owner
-                if entry is None or not entry.live:
-                    continue
-                if keep_handed_out and any(self._owed(entry, force=False)):
-                    entry.uses = 0  # out of the index: never copied forward
-                    continue
-                self._drop(entry)
-                self._evictions += 1
-            self._index.clear()
-            self._policy.clear()
-            for chunk in ring:
-                owner = chunk.owner
-                if not chunk.tombstoned and not (owner and (owner.reserved or owner.live)):
-                    ring.tombstone(chunk)
-            while ((oldest := ring.oldest()) is not None and oldest.tombstoned
-                   and not self._ledger.pinned_by(oldest.seq)):
-                ring.pop_oldest(oldest)
-        finally:
-            self._guard_leave()
+        with self._call():
+            self._space.clear(keep_handed_out)
 
     def wait_for_readers(self, timeout: float | None = None) -> None:
         """Block until every reader index is attached.
@@ -351,44 +468,32 @@ class StoreWriter(HandOuts):
         self._guard_check()
         for _ in range(STATS_TRIES - 1):  # from another thread, a call in flight may change
             try:                             # what is read: read again
-                lag, objects = self._lag()
+                lag, objects = self._space.lag()
                 break
             except (RuntimeError, IndexError):
                 continue
         else:
-            lag, objects = self._lag()
+            lag, objects = self._space.lag()
         table = self._table
         words = self._words
+        space = self._space
         return StoreStats(
             name=self.name, policy=self.policy, policy_rule=self._policy.rule,
             capacity_bytes=self.capacity_bytes,
             max_object_bytes=self.max_object_bytes, n_readers=self.n_readers,
             bytes_in_use=self._writer_ring.used_bytes, objects=objects, puts=self._puts,
-            hits=self._hits, evictions=self._evictions, give_backs=self._give_backs,
-            full_events=self._full_events, reinsertions=self._reinsertions,
-            bytes_reinserted=self._bytes_reinserted, damaged_objects=self._damaged,
-            withdrawn=self._withdrawn,
+            hits=self._hits, evictions=space.evictions, give_backs=self._handouts.give_backs,
+            full_events=space.full_events, reinsertions=space.reinsertions,
+            bytes_reinserted=space.bytes_reinserted, damaged_objects=space.damaged,
+            withdrawn=space.withdrawn,
             dead_readers=self._liveness.dead_readers, reader_lag=tuple(lag),
             reader_pids=tuple(table.owner(r)[0] for r in range(self.n_readers)),
             corrupt_reads=tuple(words.load_acquire(table.row(r) + ROW_CORRUPT_READS)
                                 for r in range(self.n_readers)),
         )
 
-    def _lag(self) -> tuple[list[int], int]:
-        """(hand-outs each reader owes on live objects, live objects)."""
-        lag = [0] * self.n_readers
-        objects = 0
-        for chunk in self._writer_ring:
-            entry = chunk.owner
-            if entry is None or not entry.live:
-                continue
-            objects += 1
-            for r, owed in enumerate(self._owed(entry, force=False)):
-                lag[r] += owed
-        return lag, objects
-
     def __len__(self) -> int:
-        return sum(1 for e in self._index.values() if e.live)
+        return len(self._index)
 
     def close(self) -> None:
         """Unlink the store now and unmap it once calls in flight in other threads have ended
@@ -399,24 +504,16 @@ class StoreWriter(HandOuts):
 
     # -- put and hand-outs -------------------------------------------------------------------
 
-    def _lookup(self, key: str | bytes) -> Entry | None:
-        check_key(key)
-        entry = self._index.get(key)
-        if entry is not None and not entry.live:
-            del self._index[key]  # left by a drop an exception cut short
-            return None
-        return entry
-
     def _put(self, key: str | bytes, enc: Encoded, deadline: Deadline,
              done: list[tuple[Entry, int]]) -> Handle:
         entry = self._begin(key, enc, deadline)
         enc.write_into(self._writer_ring.payload(entry.chunk)[self._header_bytes:])
         return self._commit(entry, done)
 
-    def _begin(self, key: str | bytes, enc: Encoded, deadline: Deadline) -> Entry:
+    def _begin(self, key: str | bytes, enc: Encoded | _Sized, deadline: Deadline) -> Entry:
         """Room for `enc` and its header written; the entry is not live yet."""
         digest = key_digest(key)
-        if self._lookup(key) is not None:
+        if self._index.lookup(key) is not None:
             raise KeyExists(f"key {key!r} is already in store {self.name!r}: hand it out again "
                             "with get_cached(key), or check is_cached(key) first", key)
         if enc.nbytes > self.max_object_bytes:
@@ -425,7 +522,7 @@ class StoreWriter(HandOuts):
                 f"{enc.nbytes - self.max_object_bytes} bytes above the max_object_bytes of store "
                 f"{self.name!r} ({self.max_object_bytes}): send it another way or create the "
                 "store with a larger max_object_bytes", enc.nbytes, self.max_object_bytes)
-        chunk = self._make_room(self._header_bytes + enc.nbytes, deadline)
+        chunk = self._space.make_room(self._header_bytes + enc.nbytes, deadline)
         # From here until chunk.owner is set the chunk is an orphan: if we stop, it is freed.
         payload = self._writer_ring.payload(chunk)
         crc = zlib.crc32(U64.pack(enc.nbytes), enc.structure_crc)
@@ -438,18 +535,94 @@ class StoreWriter(HandOuts):
 
     def _commit(self, entry: Entry, done: list[tuple[Entry, int]]) -> Handle:
         """Publish a reserved entry: index it and hand it out once."""
-        if self._lookup(entry.key) is not None:  # put meanwhile (inside a reserve block)
+        if self._index.lookup(entry.key) is not None:  # put meanwhile (inside a reserve block)
             raise KeyExists(f"key {entry.key!r} was put into store {self.name!r} while it was "
                             "reserved; the reservation is dropped", entry.key)
-        self._by_seq[entry.chunk.seq] = entry
-        self._index[entry.key] = entry
+        self._index.by_seq[entry.chunk.seq] = entry
+        self._index.by_key[entry.key] = entry
         entry.reserved = False
         self._policy.requested(entry.key, entry.chunk.chunk_bytes)
         entry.uses = self._policy.admitted(entry.key)
         entry.live = True
         self._puts += 1
-        self._hand_out(entry, done)
+        self._handouts.make(entry, done)
         return entry.handle
+
+
+class Lender:
+    """Chunks of one writer lent to another process, which writes an object's body straight
+    into shared memory (store/host.py): `begin` makes room and writes the object header,
+    `commit` publishes the object, `abandon` gives the room back. Only a WriterHost holds
+    one, per client connection, and calls it with the host's lock held; close() gives back
+    what is still lent (the client went away)."""
+
+    def __init__(self, writer: StoreWriter) -> None:
+        self._writer = writer
+        self._loans: dict[int, Entry] = {}  # loan number (the chunk's seq) -> its entry
+
+    def __len__(self) -> int:
+        return len(self._loans)
+
+    def __contains__(self, loan: int) -> bool:
+        return loan in self._loans
+
+    def begin(self, key: str | bytes, nbytes: int, structure_crc: int) -> tuple[int, int]:
+        """Room for an object of `nbytes` serialized bytes (with `structure_crc`): (the loan's
+        number, the byte offset in the segment where its body goes).
+
+        Raises:
+            KeyExists, ObjectTooLarge, StoreFull: as put() with timeout 0.
+        """
+        w = self._writer
+        check_key(key)
+        with w._call():
+            entry = w._begin(key, _Sized(nbytes, structure_crc), Deadline(0))
+            self._loans[entry.chunk.seq] = entry  # first: close() finds whatever is reserved
+            entry.reserved = True  # another process writes into it: not reclaimable
+        return entry.chunk.seq, entry.chunk.address + ALIGN_BYTES + w._header_bytes
+
+    def commit(self, loan: int) -> tuple[str | bytes, Handle]:
+        """Publish lent object `loan` once its body is written: index it and hand it out
+        once; (its key, its handle).
+
+        Raises:
+            KeyError: no such loan.
+            KeyExists: the key was put meanwhile (the room is given back).
+        """
+        entry = self._loans[loan]
+        w = self._writer
+        done: list[tuple[Entry, int]] = []
+        try:
+            with w._call():
+                handle = w._commit(entry, done)
+        except BaseException:
+            HandOuts.undo(done)
+            entry.reserved = False
+            self._loans.pop(loan, None)
+            raise
+        self._loans.pop(loan, None)  # committed: no longer reserved (close() may still see it)
+        return entry.key, handle
+
+    def abandon(self, loan: int) -> None:
+        """Give the room of `loan` back (KeyError: no such loan): an orphan chunk now, freed
+        when the ring reaches it."""
+        self._loans.pop(loan).reserved = False
+
+    def close(self) -> None:
+        """Give back every chunk still lent; idempotent."""
+        loans, self._loans = self._loans, {}
+        for entry in loans.values():
+            entry.reserved = False
+
+
+class _Sized:
+    """What _begin needs of an Encoded for a body written elsewhere."""
+
+    __slots__ = ("nbytes", "structure_crc")
+
+    def __init__(self, nbytes: int, structure_crc: int) -> None:
+        self.nbytes = nbytes
+        self.structure_crc = structure_crc
 
 
 if TYPE_CHECKING:  # mypy checks that StoreWriter meets the one writer interface

@@ -154,7 +154,7 @@ def test_get_cached_counts_another_delivery(store) -> None:
     for i in range(2, 7):  # fill the ring; k is still owed once by each reader
         w.put(f"k{i}", blob(i), timeout=0)
         read_all([r0, r1], w.get_cached(f"k{i}"))
-        read_all([r0, r1], w._index[f"k{i}"].handle)
+        read_all([r0, r1], w.handle_of(f"k{i}"))
     with pytest.raises(StoreFull):
         w.put("x", blob(0))
     read_all([r0, r1], h)
