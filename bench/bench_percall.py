@@ -130,7 +130,7 @@ def queue_round_trip(repeats: int) -> None:
     """put and get of a small message (a float) on a queue, one process: batches of puts, then
     the same number of gets, so neither side waits."""
     name = f"shmstore-percall-q-{os.getpid()}"
-    with BroadcastQueue.create(name, 1, slot_bytes=256, n_slots=256) as q:
+    with BroadcastQueue.create(name, n_readers=1, slot_bytes=256, n_slots=256) as q:
         reader = BroadcastQueue.attach(name, 0)
         try:
             put_s, get_s = [], []

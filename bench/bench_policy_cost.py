@@ -48,7 +48,7 @@ def median_us(call: Callable[[int], object], n: int, batches: int = 15) -> float
 def hit_and_put(policy: str, capacity: int) -> tuple[float, float]:
     """Median µs of a hit and of a put of 64 KiB in a full store with `policy`."""
     value = np.zeros(64 * KIB, np.uint8)
-    with ObjectStore.create(None, capacity, n_readers=0, policy=policy) as w:
+    with ObjectStore.create(None, capacity_bytes=capacity, n_readers=0, policy=policy) as w:
         n = capacity // (64 * KIB) * 2  # twice round the ring: full, with its policy's state
         for i in range(n):
             w.put(f"warm-{i}", value)
@@ -78,7 +78,7 @@ def heap_with_tiny_objects(policy: str, capacity: int) -> tuple[int, float]:
     value = np.zeros(128, np.uint8)
     tracemalloc.start()
     try:
-        with ObjectStore.create(None, capacity, n_readers=0, policy=policy) as w:
+        with ObjectStore.create(None, capacity_bytes=capacity, n_readers=0, policy=policy) as w:
             i = 0
             while w.is_cached("k0") or i == 0:  # until the ring came round once
                 w.put(f"k{i}", value)

@@ -94,7 +94,7 @@ def bench_relay(n: int, nbytes: int) -> tuple[float, int]:
     done = CTX.Queue()
     ready = CTX.Queue()
     procs = []
-    with Channel.create(name, 1, 256 << 20) as writer:
+    with Channel.create(name, n_readers=1, capacity_bytes=256 << 20) as writer:
         with Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=30,
                        allow_plaintext=True) as pub:
             pub.start()

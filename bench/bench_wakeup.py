@@ -55,7 +55,7 @@ def busy(seconds: float) -> None:
 
 
 def put_after_idle() -> dict[float, float]:
-    q = BroadcastQueue.create(None, 1, slot_bytes=64, n_slots=64)
+    q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
     try:
         costs = {}
         for gap in (0.0, 0.001, 0.02):
@@ -289,7 +289,7 @@ def main() -> None:
     print("put with no reader, after the writer was idle for: "
           + ", ".join(f"{g * 1e3:g} ms: {c:.1f} us" for g, c in costs.items()))
 
-    q = BroadcastQueue.create(None, 1, slot_bytes=64, n_slots=64)
+    q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
     out = ctx.Queue()
     p = ctx.Process(target=queue_reader, args=(q.name, n, out))
     p.start()

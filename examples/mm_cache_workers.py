@@ -7,9 +7,7 @@ import sys
 
 import numpy as np
 
-from shmstore import Channel, Closed
-from shmstore.cache.caches import ReceiverCache, SenderCache
-from shmstore.cache.hashing import mm_hash
+from shmstore import Channel, Closed, ReceiverCache, SenderCache, mm_hash
 
 N_WORKERS, BUDGET = 2, 64 << 20
 

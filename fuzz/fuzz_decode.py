@@ -16,7 +16,7 @@ import atheris
 with atheris.instrument_imports():
     import numpy as np
 
-    from shmstore import CorruptObject, InvalidHandle, StaleHandle
+    from shmstore.errors import CorruptObject, InvalidHandle, StaleHandle
     from shmstore.handle import Handle
     from shmstore.serde.codec import decode, dumps
 

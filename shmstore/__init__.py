@@ -1,8 +1,10 @@
 """shmstore: preprocessed multimodal tensors in one shared-memory ring, read in place by N workers.
 
 The core import stays light (numpy, msgpack, posix_ipc, blake3); torch is imported only when a
-tensor is met. The public names below are the surface; the layers under it stay importable from
-their modules. Layers, lowest first; each may import only layers before it, and only those its
+tensor is met. The faces, each pinned by tests/test_public_api.py: `shmstore` (the everyday
+classes and the errors a caller catches), `shmstore.errors` (every error), `shmstore.lowlevel`
+(segments, the ring, policies, the writer host and remote writer), `shmstore.relay` and
+`shmstore.vllm`. Every other module is an implementation detail. Layers, lowest first; each may import only layers before it, and only those its
 docstring's "May import:" line names (tests/test_layers.py checks both, and that no two modules
 import each other):
 
@@ -23,30 +25,21 @@ from .cache.hashing import mm_hash
 from .errors import (
     Closed,
     CorruptObject,
-    IncompatibleSegment,
     InvalidArgument,
-    InvalidHandle,
     InvalidKey,
     KeyExists,
     KeyNotCached,
     MessageTooLarge,
     NotSerializable,
     ObjectTooLarge,
-    ProtocolError,
-    ReaderIndexError,
-    ReaderSlotBusy,
-    SegmentClosed,
     SegmentExists,
     SegmentNotFound,
-    SegmentPermissionError,
     ShmSpaceError,
     ShmStoreError,
     StaleHandle,
     StoreFull,
     Timeout,
     WriterGone,
-    WrongProcess,
-    WrongThread,
 )
 from .handle import Handle
 from .queue.broadcast import BroadcastQueue, QueueReader, QueueWriter
@@ -54,7 +47,7 @@ from .queue.channel import Channel, ChannelReader, ChannelWriter
 from .serde.codec import Blank, dumps, loads
 from .store.object_store import ObjectStore, StoreReader, StoreStats, StoreWriter
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     # stores, queues, channels
@@ -79,31 +72,22 @@ __all__ = [
     # bytes
     "dumps",
     "loads",
-    # errors (subclasses such as BadMagic live in shmstore.errors)
+    # the errors a caller catches (every error, these included, is in shmstore.errors)
     "ShmStoreError",
     "InvalidArgument",
-    "SegmentNotFound",
-    "SegmentExists",
-    "SegmentPermissionError",
-    "IncompatibleSegment",
-    "ShmSpaceError",
-    "SegmentClosed",
-    "WrongProcess",
-    "WrongThread",
-    "StoreFull",
-    "ObjectTooLarge",
+    "InvalidKey",
     "NotSerializable",
+    "ObjectTooLarge",
+    "StoreFull",
     "KeyExists",
     "KeyNotCached",
-    "InvalidKey",
     "StaleHandle",
-    "InvalidHandle",
     "CorruptObject",
-    "ReaderIndexError",
-    "ReaderSlotBusy",
     "Timeout",
     "Closed",
-    "MessageTooLarge",
     "WriterGone",
-    "ProtocolError",
+    "MessageTooLarge",
+    "SegmentExists",
+    "SegmentNotFound",
+    "ShmSpaceError",
 ]

@@ -2,10 +2,10 @@
 
 from shmstore import *  # noqa: F403
 from shmstore import __all__ as _public
-from shmstore.errors import BadMagic, InvalidName, SegmentTooSmall, VersionMismatch, WrongSegmentKind
+from shmstore.errors import *  # noqa: F403
+from shmstore.errors import __all__ as _errors
 from shmstore.serde.codec import decode, encode
 from shmstore.shm.ring import RingWriter, ShmRingBuffer
 from shmstore.shm.segment import Segment
 
-__all__ = [*_public, "BadMagic", "InvalidName", "SegmentTooSmall", "VersionMismatch",
-           "WrongSegmentKind", "RingWriter", "ShmRingBuffer", "Segment", "decode", "encode"]
+__all__ = [*_public, *_errors, "RingWriter", "ShmRingBuffer", "Segment", "decode", "encode"]

@@ -355,7 +355,7 @@ def test_a_queue_reader_the_writer_stopped_waiting_for_is_told_and_goes_on(name:
     from shmstore.shm._readers import ROW_OWNER
     from tests._names import BroadcastQueue, CorruptObject
 
-    with BroadcastQueue.create(name, 1, slot_bytes=64, n_slots=4) as w, \
+    with BroadcastQueue.create(name, n_readers=1, slot_bytes=64, n_slots=4) as w, \
             BroadcastQueue.attach(name, 0) as r:
         w.put(0)
         assert r.get(timeout=1) == 0

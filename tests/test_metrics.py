@@ -85,8 +85,8 @@ def test_several_stores_share_one_registry_each_by_segment(name: str) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
-    with ObjectStore.create(name + "-a", 1 << 20, n_readers=1) as a, \
-            ObjectStore.create(name + "-b", 1 << 20, n_readers=1) as b:
+    with ObjectStore.create(name + "-a", capacity_bytes=1 << 20, n_readers=1) as a, \
+            ObjectStore.create(name + "-b", capacity_bytes=1 << 20, n_readers=1) as b:
         off_a = register_store_metrics(a, registry)
         off_b = register_store_metrics(b, registry)  # no DuplicateTimeseries
         a.put("k", b"x")
@@ -110,7 +110,7 @@ def test_a_scrape_thread_reads_stats_while_the_writer_puts(name: str) -> None:
     registry = CollectorRegistry()
     errors: list[BaseException] = []
     stop = threading.Event()
-    with ObjectStore.create(name, 1 << 20, n_readers=1, max_object_bytes=64 << 10) as w:
+    with ObjectStore.create(name, capacity_bytes=1 << 20, n_readers=1, max_object_bytes=64 << 10) as w:
         reader = ObjectStore.attach(name, 0)
         off = register_store_metrics(w, registry)
 
@@ -144,7 +144,7 @@ def test_the_rule_adaptive_follows_is_in_stats_and_metrics_as_it_changes(name: s
     a few hot objects among one-time ones (freq's): the rule shown follows, scrape by scrape."""
     registry = prometheus_client.CollectorRegistry()
     value = np.zeros(1000, np.uint8)
-    with ObjectStore.create(name, 11 * 1300, n_readers=0, policy="adaptive") as w:
+    with ObjectStore.create(name, capacity_bytes=11 * 1300, n_readers=0, policy="adaptive") as w:
         unregister = register_store_metrics(w, registry)
         assert w.stats().policy_rule == "freq"  # before any evidence: freq
         keys = [f"s{j}" for j in range(10)]

@@ -40,7 +40,8 @@ def test_a_machine_without_a_c_compiler_still_builds_a_working_wheel(tmp_path: P
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = ("import shmstore, shmstore.shm._ordering as o\n"
-            "q = shmstore.BroadcastQueue.create(None, 1); r = shmstore.BroadcastQueue.attach(q.name, 0)\n"
+            "q = shmstore.BroadcastQueue.create(None, n_readers=1)\n"
+            "r = shmstore.BroadcastQueue.attach(q.name, 0)\n"
             "q.put({'x': 1}); assert r.get(timeout=5) == {'x': 1}; r.close(); q.close()\n"
             "print(o.ORDERING, shmstore.__file__)")
     env = {**os.environ, "PYTHONPATH": str(site)}

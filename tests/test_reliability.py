@@ -59,7 +59,7 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
 # -- 1, 2: clear() or reclaim while a reader is inside an object ---------------------------------
 
 def test_1_clear_during_a_view_never_changes_its_arrays_nor_corrupts_new_objects(name: str) -> None:
-    with ObjectStore.create(name, 64 * KIB, n_readers=2) as w:
+    with ObjectStore.create(name, capacity_bytes=64 * KIB, n_readers=2) as w:
         r0, r1 = ObjectStore.attach(name, 0), ObjectStore.attach(name, 1)
         # int64 arrays of small values: the bytes at an old address equal old seqs by chance
         h = w.put("old", np.arange(2000, dtype=np.int64))
@@ -111,7 +111,7 @@ def _clear_racer(name: str, stop: Any, report: Any) -> None:
 def test_2_reads_racing_clear_and_reuse_are_stale_never_corrupt_or_wrong(name: str) -> None:
     import queue as queue_mod
 
-    with ObjectStore.create(name, 32 * KIB, n_readers=1) as w:
+    with ObjectStore.create(name, capacity_bytes=32 * KIB, n_readers=1) as w:
         stop = threading.Event()
         handles: queue_mod.Queue = queue_mod.Queue(maxsize=4)
         t = threading.Thread(target=_clear_racer, args=(name, stop, handles))
@@ -207,7 +207,7 @@ def _closes_during(blocked: Callable[[], Any], close: Callable[[], None]) -> tup
 
 
 def test_4_close_from_another_thread_wakes_blocked_calls_with_segment_closed(name: str) -> None:
-    q = BroadcastQueue.create(name, 1, n_slots=1)
+    q = BroadcastQueue.create(name, n_readers=1, n_slots=1)
     r = BroadcastQueue.attach(name, 0)
     result, waited = _closes_during(lambda: r.get(timeout=30), r.close)
     assert isinstance(result, SegmentClosed) and waited < 1
@@ -216,7 +216,7 @@ def test_4_close_from_another_thread_wakes_blocked_calls_with_segment_closed(nam
     result, waited = _closes_during(lambda: q.put(2, timeout=30), q.close)
     assert isinstance(result, SegmentClosed) and waited < 1
     idle.close()
-    w = ObjectStore.create(name + "-s", 16 * KIB, n_readers=1)
+    w = ObjectStore.create(name + "-s", capacity_bytes=16 * KIB, n_readers=1)
     rs = ObjectStore.attach(name + "-s", 0)
     w.put("a", np.zeros(10 * KIB, np.uint8))
     result, waited = _closes_during(lambda: w.put("b", np.zeros(10 * KIB, np.uint8), timeout=None),
@@ -239,17 +239,18 @@ def spin(r, i):
         except Timeout: pass
         except SegmentClosed: ends.append(i); return
 for i in range(30):
-    q = BroadcastQueue.create(name, 1, n_slots=2); r = BroadcastQueue.attach(name, 0)
+    q = BroadcastQueue.create(name, n_readers=1, n_slots=2); r = BroadcastQueue.attach(name, 0)
     t = threading.Thread(target=spin, args=(r, i))
     t.start(); time.sleep(0.001 * (i % 5)); r.close(); t.join(5); assert not t.is_alive()
     q.close()
 assert ends == list(range(30)), ends
-w = ObjectStore.create(name, 1 << 16, 1); w.put("k", 1); w.close()
+w = ObjectStore.create(name, capacity_bytes=1 << 16, n_readers=1); w.put("k", 1); w.close()
 for call in (lambda: w.get_cached("k"), lambda: w.put("x", 1), lambda: w.is_cached("k"),
              w.stats, w.clear, lambda: w.object_bytes("k")):
     try: call(); raise SystemExit("no error")
     except SegmentClosed: pass
-ch = Channel.create(name, 1, 1 << 20, inline_threshold=16); ch.send(np.zeros(100), key="k"); ch.close()
+ch = Channel.create(name, n_readers=1, capacity_bytes=1 << 20, inline_threshold=16)
+ch.send(np.zeros(100), key="k"); ch.close()
 try: ch.send(None, key="k"); raise SystemExit("no error")
 except SegmentClosed: pass
 print("ok")
@@ -261,7 +262,7 @@ print("ok")
 
 @pytest.mark.slow
 def test_6_queue_readers_attach_while_the_writer_streams(name: str) -> None:
-    q = BroadcastQueue.create(name, 2, slot_bytes=64, n_slots=2, spin_s=0)
+    q = BroadcastQueue.create(name, n_readers=2, slot_bytes=64, n_slots=2, spin_s=0)
     first = BroadcastQueue.attach(name, 0)
     stop = threading.Event()
     sent = [0]
@@ -300,7 +301,7 @@ def test_6_queue_readers_attach_while_the_writer_streams(name: str) -> None:
 
 @pytest.mark.slow
 def test_7_replacement_channel_readers_are_never_owed_what_they_never_receive(name: str) -> None:
-    w = Channel.create(name, 2, capacity_bytes=256 * KIB, inline_threshold=0, n_slots=4)
+    w = Channel.create(name, n_readers=2, capacity_bytes=256 * KIB, inline_threshold=0, n_slots=4)
     steady = Channel.attach(name, 0)
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -350,7 +351,7 @@ def test_7_replacement_channel_readers_are_never_owed_what_they_never_receive(na
 def test_8_objects_put_before_a_first_attach_stay_owed_during_it(name: str, monkeypatch) -> None:
     from shmstore.shm._readers import ReaderTable
 
-    w = ObjectStore.create(name, 8 * KIB, n_readers=1)
+    w = ObjectStore.create(name, capacity_bytes=8 * KIB, n_readers=1)
     h = w.put("early", np.arange(500))
     seen: list[Any] = []
     original = ReaderTable.attach
@@ -429,7 +430,7 @@ def _assert_writer_consistent(w: Any, r: Any, known: dict[str, int]) -> None:
 def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(
         name: str, policy: str, lines: int) -> None:
     """adaptive runs three shadow replays inside put and get_cached: many more lines."""
-    w = ObjectStore.create(name, 12 * KIB, n_readers=1, policy=policy)
+    w = ObjectStore.create(name, capacity_bytes=12 * KIB, n_readers=1, policy=policy)
     r = ObjectStore.attach(name, 0)
     known: dict[str, int] = {}
     hits = 0
@@ -477,7 +478,7 @@ def test_10_returning_signal_handlers_do_not_abort_blocked_calls(name: str) -> N
     previous = signal.signal(signal.SIGALRM, lambda *_: caught.__setitem__(0, caught[0] + 1))
     signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
     try:
-        with BroadcastQueue.create(name, 1, n_slots=1, spin_s=0) as q:
+        with BroadcastQueue.create(name, n_readers=1, n_slots=1, spin_s=0) as q:
             r = BroadcastQueue.attach(name, 0)
             t0 = time.monotonic()
             with pytest.raises(Timeout):
@@ -491,7 +492,7 @@ def test_10_returning_signal_handlers_do_not_abort_blocked_calls(name: str) -> N
             threading.Timer(0.2, lambda: q.put(3, timeout=5)).start()
             assert r.get(timeout=5) == 1 and r.get(timeout=5) == 3
             r.close()
-        with ObjectStore.create(name + "-s", 16 * KIB, n_readers=1) as w:
+        with ObjectStore.create(name + "-s", capacity_bytes=16 * KIB, n_readers=1) as w:
             rs = ObjectStore.attach(name + "-s", 0)
             w.put("a", np.zeros(10 * KIB, np.uint8))
             t0 = time.monotonic()
@@ -508,7 +509,7 @@ def test_10_returning_signal_handlers_do_not_abort_blocked_calls(name: str) -> N
 # -- 11, 12: damaged bytes never wedge the writer or a reader -------------------------------------
 
 def test_11_damage_in_an_old_chunk_header_never_breaks_later_puts(name: str) -> None:
-    with ObjectStore.create(name, 16 * KIB, n_readers=1) as w:
+    with ObjectStore.create(name, capacity_bytes=16 * KIB, n_readers=1) as w:
         r = ObjectStore.attach(name, 0)
         buf = w._buf
         for offset in range(64 + 32):  # every byte of the chunk and object headers
@@ -522,7 +523,7 @@ def test_11_damage_in_an_old_chunk_header_never_breaks_later_puts(name: str) -> 
 
 
 def test_11_a_damaged_object_is_given_up_by_readers_and_dropped_by_the_writer(name: str) -> None:
-    with ObjectStore.create(name, 16 * KIB, n_readers=1) as w:
+    with ObjectStore.create(name, capacity_bytes=16 * KIB, n_readers=1) as w:
         r = ObjectStore.attach(name, 0)
         h = w.put("bad", {"x": np.zeros(1000, np.uint8), "meta": "hello"})
         w._buf[h.address + 64 + 128 + 20] ^= 0xFF  # inside the body's msgpack structure
@@ -540,7 +541,7 @@ def test_11_a_damaged_object_is_given_up_by_readers_and_dropped_by_the_writer(na
 
 
 def test_12_damaged_queue_slots_are_skipped_once_and_never_wedge(name: str) -> None:
-    with BroadcastQueue.create(name, 1, slot_bytes=64, n_slots=4) as q:
+    with BroadcastQueue.create(name, n_readers=1, slot_bytes=64, n_slots=4) as q:
         r = BroadcastQueue.attach(name, 0)
         for i in range(3):
             q.put(i)
@@ -573,13 +574,14 @@ def reserve_then_die(fd, name, total):
     original(fd, name, total)
     os._exit(9)
 seg._reserve = reserve_then_die
-ObjectStore.create({name!r}, 64 << 20, 1)
+ObjectStore.create({name!r}, capacity_bytes=64 << 20, n_readers=1)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
     assert out.returncode == 9
     info = [i for i in list_segments() if i.name == name]
     assert info and not info[0].complete and not info[0].writer_alive
-    with ObjectStore.create(name, 1 << 20, 1) as w:  # takes the dead writer's name over
+    # takes the dead writer's name over
+    with ObjectStore.create(name, capacity_bytes=1 << 20, n_readers=1) as w:
         assert w.put("k", 1)
 
 
@@ -587,7 +589,7 @@ def test_14_damaged_pid_words_never_reach_os_kill(name: str) -> None:
     from shmstore._proc import pid_alive
 
     assert not pid_alive(2**31) and not pid_alive(2**63) and not pid_alive(-1)
-    with ObjectStore.create(name, 8 * KIB, n_readers=1) as w:
+    with ObjectStore.create(name, capacity_bytes=8 * KIB, n_readers=1) as w:
         r = ObjectStore.attach(name, 0)
         w.put("a", np.zeros(5 * KIB, np.uint8))
         row = w._table.row(0)
@@ -603,8 +605,8 @@ def test_14_damaged_pid_words_never_reach_os_kill(name: str) -> None:
 # -- 15: one reader index, one reader; forks -------------------------------------------------------
 
 def test_15_a_second_attach_of_an_index_in_one_process_is_refused(name: str) -> None:
-    with ObjectStore.create(name, 8 * KIB, n_readers=1) as w, \
-            BroadcastQueue.create(name + "-q", 1) as q:
+    with ObjectStore.create(name, capacity_bytes=8 * KIB, n_readers=1) as w, \
+            BroadcastQueue.create(name + "-q", n_readers=1) as q:
         r = ObjectStore.attach(name, 0)
         with pytest.raises(ReaderSlotBusy, match="already attached in this process"):
             ObjectStore.attach(name, 0)
@@ -618,7 +620,7 @@ def test_15_a_second_attach_of_an_index_in_one_process_is_refused(name: str) -> 
 
 
 def test_15_a_forked_child_cannot_use_or_free_its_parents_reader(name: str) -> None:
-    with ObjectStore.create(name, 8 * KIB, n_readers=1) as w:
+    with ObjectStore.create(name, capacity_bytes=8 * KIB, n_readers=1) as w:
         r = ObjectStore.attach(name, 0)
         h = w.put("k", 1)
         pid = os.fork()
@@ -640,7 +642,7 @@ def test_15_a_forked_child_cannot_use_or_free_its_parents_reader(name: str) -> N
 # -- 16, 17: semaphores: mode and a full /dev/shm -------------------------------------------------
 
 def test_16_queue_semaphores_get_the_mode_asked_for(name: str) -> None:
-    with BroadcastQueue.create(name, 1, mode=0o666):
+    with BroadcastQueue.create(name, n_readers=1, mode=0o666):
         for who in ("r0", "w"):
             mode = stat.S_IMODE(os.stat(f"/dev/shm/sem.{name}.{who}").st_mode)
             assert mode == 0o666, oct(mode)
@@ -658,7 +660,7 @@ def test_17_no_space_for_a_semaphore_is_a_shm_space_error(name: str, monkeypatch
 
     monkeypatch.setattr(posix_ipc, "Semaphore", full)
     with pytest.raises(ShmSpaceError, match="full"):
-        BroadcastQueue.create(name, 1)
+        BroadcastQueue.create(name, n_readers=1)
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
@@ -679,9 +681,9 @@ def test_18_odd_inputs_get_specific_errors(name: str) -> None:
         encode({"s": ["ok", "bad \ud800"]})
     assert info.value.path == "obj['s'][1]"
     with pytest.raises(InvalidArgument, match="capacity_bytes") as bad:
-        ObjectStore.create(name, 2**64, 1)
+        ObjectStore.create(name, capacity_bytes=2**64, n_readers=1)
     assert bad.value.argument == "capacity_bytes"
-    with ObjectStore.create(name, 8 * KIB, n_readers=2) as w:
+    with ObjectStore.create(name, capacity_bytes=8 * KIB, n_readers=2) as w:
         r = ObjectStore.attach(name, np.int64(1))
         assert r.reader == 1
         r.close()
@@ -689,7 +691,7 @@ def test_18_odd_inputs_get_specific_errors(name: str) -> None:
 
 
 def test_pins_are_given_back_after_every_kind_of_read(name: str) -> None:
-    with ObjectStore.create(name, 8 * KIB, n_readers=1) as w:
+    with ObjectStore.create(name, capacity_bytes=8 * KIB, n_readers=1) as w:
         r = ObjectStore.attach(name, 0)
         h = w.put("k", np.zeros(10, np.uint8))
         r.get(h)

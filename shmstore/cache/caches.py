@@ -203,8 +203,8 @@ class ShmSenderCache(SenderCache):
         super().__init__(capacity_bytes, n_readers)
         self.kind = kind
         self.store: StoreWriter = ObjectStore.create(
-            name, capacity_bytes, n_readers, max_object_bytes,
-            policy=kind.removeprefix("shm-"))
+            name, capacity_bytes=capacity_bytes, n_readers=n_readers,
+            max_object_bytes=max_object_bytes, policy=kind.removeprefix("shm-"))
         self.name = self.store.name
 
     def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:

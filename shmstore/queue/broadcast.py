@@ -54,10 +54,10 @@ class BroadcastQueue:
     @staticmethod
     def create(
         name: str | None,
+        *,
         n_readers: int,
         slot_bytes: int = 4096,
         n_slots: int = 64,
-        *,
         mode: int = 0o600,
         spin_s: float = DEFAULT_SPIN_S,
     ) -> QueueWriter:

@@ -60,10 +60,10 @@ class Channel:
     @staticmethod
     def create(
         name: str | None,
+        *,
         n_readers: int,
         capacity_bytes: int = 256 << 20,
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
-        *,
         n_slots: int = 64,
         max_object_bytes: int | None = None,
         policy: str = "fifo",
@@ -81,12 +81,13 @@ class Channel:
             name = f"shmstore-{secrets.token_hex(6)}"
         validate_name(name)
         inline_threshold = int_arg(inline_threshold, "inline_threshold", 0, 1 << 30)
-        store = ObjectStore.create(f"{name}.store", capacity_bytes, n_readers, max_object_bytes,
+        store = ObjectStore.create(f"{name}.store", capacity_bytes=capacity_bytes,
+                                   n_readers=n_readers, max_object_bytes=max_object_bytes,
                                    policy=policy, mode=mode)
         try:
             queue = BroadcastQueue.create(
-                f"{name}.queue", n_readers, slot_bytes=max(inline_threshold, HANDLE_MESSAGE_BYTES),
-                n_slots=n_slots, mode=mode)
+                f"{name}.queue", n_readers=n_readers,
+                slot_bytes=max(inline_threshold, HANDLE_MESSAGE_BYTES), n_slots=n_slots, mode=mode)
         except BaseException:
             store.close()
             raise

@@ -180,8 +180,9 @@ class Relay(Peer):
         self._server_key = server_key
         super().__init__()
         try:
-            self._channel = Channel.create(name, n_readers, capacity_bytes, inline_threshold,
-                                           n_slots=n_slots, policy=policy, mode=mode)
+            self._channel = Channel.create(name, n_readers=n_readers, capacity_bytes=capacity_bytes,
+                                           inline_threshold=inline_threshold, n_slots=n_slots,
+                                           policy=policy, mode=mode)
         except BaseException:
             self.close()
             raise

@@ -111,8 +111,8 @@ class ShmRingBuffer(Closeable):
     def create(
         cls,
         name: str | None,
-        capacity_bytes: int,
         *,
+        capacity_bytes: int,
         meta_bytes: int = 0,
         n_readers: int = 0,
         mode: int = 0o600,

@@ -70,10 +70,10 @@ class ObjectStore:
     @staticmethod
     def create(
         name: str | None,
+        *,
         capacity_bytes: int,
         n_readers: int,
         max_object_bytes: int | None = None,
-        *,
         policy: str = RING_POLICY,
         mode: int = 0o600,
         prefault: bool = True,
@@ -104,7 +104,7 @@ class ObjectStore:
             max_object_bytes = largest
         max_object_bytes = int_arg(max_object_bytes, "max_object_bytes", 1, largest)
         ring = ShmRingBuffer.create(
-            name, capacity_bytes, meta_bytes=STORE_META.size + STORE_ROW.size * n_readers,
+            name, capacity_bytes=capacity_bytes, meta_bytes=STORE_META.size + STORE_ROW.size * n_readers,
             n_readers=n_readers, mode=mode, prefault=prefault,
         )
         try:

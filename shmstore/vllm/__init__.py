@@ -18,3 +18,19 @@ _deployment.py reads vLLM's configuration and the environment (tests/vllm/test_v
 
 May import: errors, handle, _proc, shm, store, queue, relay, metrics.
 """
+
+from ._env import (
+    ALLOW_ENV,
+    ENABLE_ENV,
+    INSECURE_ENV,
+    KEYS_ENV,
+    LEASE_ENV,
+    POLICY_ENV,
+    PUBLISH_ENV,
+    SETTLE_ENV,
+    WAIT_ENV,
+)
+from .plugin import register
+
+__all__ = ["register", "ENABLE_ENV", "POLICY_ENV", "SETTLE_ENV", "LEASE_ENV", "PUBLISH_ENV",
+           "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV"]

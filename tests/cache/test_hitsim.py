@@ -50,7 +50,7 @@ def test_freq_ghosts_give_returning_keys_a_head_start_and_forget_the_oldest() ->
 
 
 def test_store_with_freq_keeps_a_hot_object_three_passes_then_lets_it_go(name: str) -> None:
-    w = ObjectStore.create(name, 40 * KIB, n_readers=0, policy="freq")
+    w = ObjectStore.create(name, capacity_bytes=40 * KIB, n_readers=0, policy="freq")
     try:
         w.put("hot", np.zeros(8 * KIB, np.uint8))
         for _ in range(4):

@@ -65,7 +65,7 @@ def writer(channel: str, n_readers: int, plan: list[Any], ready_path: str,
     import os
     import time
 
-    w = Channel.create(channel, n_readers, 64 << 20)
+    w = Channel.create(channel, n_readers=n_readers, capacity_bytes=64 << 20)
     w.wait_for_readers(60)
     with open(ready_path, "w"):
         pass

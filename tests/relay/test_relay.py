@@ -21,7 +21,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmstore import Channel, Closed, InvalidArgument, ProtocolError, WriterGone, dumps
+from shmstore import Channel, Closed, InvalidArgument, WriterGone, dumps
+from shmstore.errors import ProtocolError
 from shmstore.relay._wire import (
     ACK,
     HELLO,
@@ -402,7 +403,8 @@ def test_one_address_is_accepted(endpoint: str) -> None:
 
 def test_a_publisher_given_tcp_0_binds_nothing_without_allow_wildcard() -> None:
     name = new_name("zero")
-    with Channel.create(name, 1, 1 << 20), pytest.raises(InvalidArgument, match="every interface"):
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 20), \
+            pytest.raises(InvalidArgument, match="every interface"):
         Publisher(name, 0, "tcp://0:0")
 
 
@@ -414,7 +416,7 @@ def test_malformed_endpoints_are_refused(endpoint: object) -> None:
 
 def test_publisher_arguments_are_checked() -> None:
     name = new_name("args")
-    with Channel.create(name, 1, 1 << 20):
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 20):
         with pytest.raises(InvalidArgument, match="both server_keys and allowed_clients"):
             Publisher(name, 0, "tcp://127.0.0.1:*", allowed_clients=[b"x" * 40])
         with pytest.raises(InvalidArgument, match="server_keys needs the secret key"):
@@ -425,7 +427,7 @@ def test_publisher_arguments_are_checked() -> None:
     with pytest.raises(InvalidArgument, match="client_keys needs the secret key"):
         Relay("tcp://127.0.0.1:1", new_name("args"), 1, client_keys=CurveKeys(b"c" * 40),
               server_key=b"p" * 40)
-    with Channel.create(name, 1, 1 << 20):
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 20):
         with pytest.raises(InvalidArgument, match="window"):
             Publisher(name, 0, "tcp://127.0.0.1:*", window=0)
         with pytest.raises(InvalidArgument, match="peer_timeout_s"):
@@ -439,7 +441,7 @@ def test_curve_refuses_unknown_relays(tmp_path) -> None:
     bad = CurveKeys.load(generate_keys(tmp_path, "bad")[1])
     assert (tmp_path / "server.key_secret").stat().st_mode & 0o077 == 0
     name = new_name("curve")
-    writer = Channel.create(name, 1, 8 << 20)
+    writer = Channel.create(name, n_readers=1, capacity_bytes=8 << 20)
     publisher = Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=server,
                           allowed_clients=[good.public], **FAST)
     publisher.start()
@@ -556,7 +558,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
 
 def test_plain_tcp_is_refused_unless_asked_for() -> None:
     name = new_name("plain")
-    with Channel.create(name, 1, 1 << 20):
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 20):
         with pytest.raises(InvalidArgument, match=r"without CurveZMQ keys.*relay keygen") as info:
             Publisher(name, 0, "tcp://127.0.0.1:*")
         assert info.value.argument == "allow_plaintext"
@@ -621,7 +623,7 @@ def test_one_curve_key_on_two_relays_counts_as_one_node(tmp_path) -> None:
     server = CurveKeys.load(tmp_path / "pub.key_secret")
     client = CurveKeys.load(tmp_path / "node.key_secret")
     name = new_name("twice")
-    with Channel.create(name, 1, 8 << 20) as writer:
+    with Channel.create(name, n_readers=1, capacity_bytes=8 << 20) as writer:
         publisher = Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=server,
                               allowed_clients=[client.public], peer_timeout_s=1.0,
                               heartbeat_s=0.1)

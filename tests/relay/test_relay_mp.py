@@ -253,4 +253,5 @@ def test_writer_killed_is_writer_gone_on_remote_readers(cluster: Cluster) -> Non
     finally:
         writer.kill()
         writer.join()
-        Channel.create(name, 1, 1 << 20).close()  # take over the dead writer's names, unlink
+        # take over the dead writer's names, unlink
+        Channel.create(name, n_readers=1, capacity_bytes=1 << 20).close()

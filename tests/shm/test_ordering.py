@@ -44,7 +44,7 @@ if __name__ == "__main__":
         r.close(); w.close()
     # another process, a queue of 4 slots: every put waits for the reader, every get for the
     # writer, so both sides sleep on doorbells and wake through the handshake of shm/_wait.py
-    q = BroadcastQueue.create({name!r} + "-q", 1, n_slots=4)
+    q = BroadcastQueue.create({name!r} + "-q", n_readers=1, n_slots=4)
     p = mp.get_context("spawn").Process(target=reader, args=(q.name,))
     p.start()
     try:

@@ -39,7 +39,7 @@ class Side:
     def create(self, name: str, n_readers: int) -> Any:
         if self.kind == "store":
             return ObjectStore.create(name, capacity_bytes=64 << 10, n_readers=n_readers)
-        return BroadcastQueue.create(name, n_readers, slot_bytes=64, n_slots=4)
+        return BroadcastQueue.create(name, n_readers=n_readers, slot_bytes=64, n_slots=4)
 
     def attach(self, name: str, reader: Any) -> Any:
         if self.kind == "store":

@@ -33,7 +33,7 @@ def test_chunk_header_offsets() -> None:
 
 @pytest.fixture
 def ring(name: str):
-    w = ShmRingBuffer.create(name, 8 * LINE)
+    w = ShmRingBuffer.create(name, capacity_bytes=8 * LINE)
     yield w
     w.close()
 
@@ -146,7 +146,7 @@ def test_seqs_keep_increasing_across_an_emptied_ring(ring: RingWriter) -> None:
 
 
 def test_closed_ring_stays_closed(name: str) -> None:
-    ring = ShmRingBuffer.create(name, 4 * LINE)
+    ring = ShmRingBuffer.create(name, capacity_bytes=4 * LINE)
     ring.close()
     ring.close()
     with pytest.raises(SegmentClosed):
@@ -156,7 +156,7 @@ def test_closed_ring_stays_closed(name: str) -> None:
 @pytest.mark.parametrize("capacity", [0, 64, -1, 1.5, True])
 def test_bad_capacity(capacity: object) -> None:
     with pytest.raises(InvalidArgument, match="capacity_bytes"):
-        ShmRingBuffer.create(new_name("cap"), capacity)  # type: ignore[arg-type]
+        ShmRingBuffer.create(new_name("cap"), capacity_bytes=capacity)  # type: ignore[arg-type]
 
 
 class RingModel(RuleBasedStateMachine):
@@ -166,7 +166,7 @@ class RingModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ring = ShmRingBuffer.create(new_name("sm"), self.CAPACITY)
+        self.ring = ShmRingBuffer.create(new_name("sm"), capacity_bytes=self.CAPACITY)
         self.start = self.ring.segment.data_offset
         self.end = self.start + self.CAPACITY
         self.live: list[tuple[int, int, int]] = []  # (address, seq, payload_bytes), oldest first

@@ -162,7 +162,7 @@ def test_adaptive_copying_is_bounded_per_put_by_the_rules_largest_budget() -> No
 
 def test_a_store_with_the_adaptive_policy_runs_its_shadows_on_every_put_and_hit(
         name: str) -> None:
-    with ObjectStore.create(name, 40 * KIB, n_readers=0, policy="adaptive") as w:
+    with ObjectStore.create(name, capacity_bytes=40 * KIB, n_readers=0, policy="adaptive") as w:
         assert w.policy == "adaptive"
         policy = w._policy
         assert isinstance(policy, AdaptivePolicy)

@@ -672,7 +672,7 @@ def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(nam
     path = os.path.join("/dev/shm", name)
     made = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from shmstore import ObjectStore; "
-        f"s = ObjectStore.create({name!r}, 1 << 20, 1); print('made', flush=True); "
+        f"s = ObjectStore.create({name!r}, capacity_bytes=1 << 20, n_readers=1); print('made', flush=True); "
         "time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:
         assert made.stdout is not None and made.stdout.readline().strip() == "made"
