@@ -34,7 +34,14 @@ import numpy as np
 import zmq
 
 from shmstore import Channel
-from shmstore.relay import Publisher, Relay
+from shmstore.relay import (
+    NodeChannel,
+    Publisher,
+    PublisherSecurity,
+    Relay,
+    RelaySecurity,
+    Timing,
+)
 
 N_NODES = 2
 READERS_PER_NODE = 2
@@ -48,8 +55,9 @@ def items(n: int, nbytes: int) -> list[tuple[str, np.ndarray]]:
 
 
 def relay_node(endpoint: str, name: str, ready: Any) -> None:
-    with Relay(endpoint, name, READERS_PER_NODE, 256 << 20, peer_timeout_s=30,
-               allow_plaintext=True) as relay:
+    with Relay(endpoint, name, n_readers=READERS_PER_NODE,
+               security=RelaySecurity(plaintext=True), timing=Timing(peer_timeout_s=30),
+               channel=NodeChannel(capacity_bytes=256 << 20)) as relay:
         ready.put("up")
         relay.wait_for_readers(60)
         relay.serve()
@@ -95,8 +103,8 @@ def bench_relay(n: int, nbytes: int) -> tuple[float, int]:
     ready = CTX.Queue()
     procs = []
     with Channel.create(name, n_readers=1, capacity_bytes=256 << 20) as writer:
-        with Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=30,
-                       allow_plaintext=True) as pub:
+        with Publisher(name, 0, "tcp://127.0.0.1:*", security=PublisherSecurity(plaintext=True),
+                       timing=Timing(peer_timeout_s=30)) as pub:
             pub.start()
             for node in range(N_NODES):
                 p = CTX.Process(target=relay_node, args=(pub.endpoint, f"{name}-n{node}", ready))

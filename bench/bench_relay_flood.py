@@ -34,7 +34,7 @@ import zmq
 
 from shmstore import Channel
 from shmstore.errors import StoreFull, Timeout
-from shmstore.relay import Publisher
+from shmstore.relay import Publisher, PublisherSecurity, Timing
 from shmstore.relay._wire import HELLO, NEED, PING, PROTOCOL_VERSION, WELCOME, pack, parse
 
 MIB = 1 << 20
@@ -114,8 +114,9 @@ def main() -> None:
 
     with Channel.create(name, n_readers=1, capacity_bytes=256 * MIB,
                         max_object_bytes=2 * nbytes + MIB, inline_threshold=1024) as writer:
-        publisher = Publisher(name, 0, "tcp://127.0.0.1:*", allow_plaintext=True,
-                              window=args.window, ack_timeout_s=3600, peer_timeout_s=3600,
+        publisher = Publisher(name, 0, "tcp://127.0.0.1:*",
+                              security=PublisherSecurity(plaintext=True), window=args.window,
+                              timing=Timing(ack_timeout_s=3600, peer_timeout_s=3600),
                               max_nodes=max(args.nodes, 1))
         publisher.start()
         value = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)

@@ -4,8 +4,10 @@ The core import stays light (numpy, msgpack, posix_ipc, blake3); torch is import
 tensor is met. The faces, each pinned by tests/test_public_api.py: `shmstore` (the everyday
 classes and the errors a caller catches), `shmstore.errors` (every error), `shmstore.lowlevel`
 (segments, the ring, policies, the writer host and remote writer), `shmstore.relay` and
-`shmstore.vllm`. Every other module is an implementation detail. Layers, lowest first; each may import only layers before it, and only those its
-docstring's "May import:" line names (tests/test_layers.py checks both, and that no two modules
+`shmstore.vllm`. Every other module is an implementation detail.
+
+Layers, lowest first; each may import only layers before it, and only those its docstring's
+"May import:" line names (tests/test_layers.py checks both, and that no two modules
 import each other):
 
     errors, handle, _proc   the words every layer shares: exceptions, Handle, process helpers

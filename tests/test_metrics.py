@@ -46,13 +46,23 @@ def test_every_statistic_is_exported_and_follows_the_store(name: str) -> None:
 
 def test_a_relay_publishers_statistics_are_exported_per_node(name: str) -> None:
     from shmstore import Channel
-    from shmstore.relay.node import Publisher, Relay
+    from shmstore.relay import (
+        NodeChannel,
+        Publisher,
+        PublisherSecurity,
+        Relay,
+        RelaySecurity,
+        Timing,
+    )
 
     registry = prometheus_client.CollectorRegistry()
-    fast = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1, "allow_plaintext": True}
+    fast = Timing(peer_timeout_s=1.0, heartbeat_s=0.1)
     writer = Channel.create(name, n_readers=1, capacity_bytes=4 << 20)
-    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", **fast)
-    relay = Relay(publisher.endpoint, f"{name}-n", 1, 4 << 20, node="node1", **fast)
+    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", security=PublisherSecurity(plaintext=True),
+                          timing=fast)
+    relay = Relay(publisher.endpoint, f"{name}-n", n_readers=1, node="node1", timing=fast,
+                  security=RelaySecurity(plaintext=True),
+                  channel=NodeChannel(capacity_bytes=4 << 20))
     reader = Channel.attach(f"{name}-n", 0)
     try:
         unregister = register_store_metrics(writer.store, registry, publisher=publisher)

@@ -25,7 +25,8 @@ FACES = {  # each namespace a user may import from, and exactly what it offers
         "ReinsertPolicy", "FreqPolicy", "RecencyPolicy", "AdaptivePolicy", "RingReplay",
         "POLICIES", "DEFAULT_POLICY", "RING_POLICY", "make_policy"},
     "shmstore.relay": {
-        "Publisher", "Relay", "CurveKeys", "PublisherStats", "NodeStats", "RelayStats",
+        "Publisher", "Relay", "CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing",
+        "NodeChannel", "PublisherStats", "NodeStats", "RelayStats",
         "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
         "DEFAULT_HEARTBEAT_S"},
     "shmstore.vllm": {
@@ -144,3 +145,12 @@ def test_entry_points_are_declared_installed_and_load() -> None:
         found = [e for e in importlib.metadata.entry_points(group=group) if e.name == name]
         assert [e.value for e in found] == [value], f"reinstall (pip install -e .): {found}"
         assert callable(found[0].load())
+
+
+def test_the_version_is_stated_once() -> None:
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert shmstore.__version__ == project["project"]["version"]

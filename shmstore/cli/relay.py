@@ -75,15 +75,25 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _timing(args: argparse.Namespace, writer_timeout_s: float | None = None) -> Any:
+    """The relay.Timing the options ask for (the defaults where not given)."""
+    from ..relay import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, Timing
+
+    return Timing(peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
+                  heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S),
+                  writer_timeout_s=writer_timeout_s)
+
+
 def main(args: argparse.Namespace) -> int:
     from ..errors import ShmStoreError
-    from ..relay.node import (
-        DEFAULT_HEARTBEAT_S,
-        DEFAULT_PEER_TIMEOUT_S,
+    from ..relay import (
         DEFAULT_WINDOW,
         CurveKeys,
+        NodeChannel,
         Publisher,
+        PublisherSecurity,
         Relay,
+        RelaySecurity,
         generate_keys,
     )
 
@@ -95,13 +105,12 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if args.relay_command == "serve":
             keys = CurveKeys.load(args.keys) if args.keys else None
-            allowed = [CurveKeys.load(path).public for path in args.allow] if args.allow else None
-            with Publisher(args.channel, args.reader, args.bind, server_keys=keys,
-                           allowed_clients=allowed, allow_wildcard=args.allow_wildcard,
-                           allow_plaintext=args.insecure,
-                           window=_given(args.window, DEFAULT_WINDOW),
-                           peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
-                           heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S)) as publisher:
+            allowed = (tuple(CurveKeys.load(path).public for path in args.allow)
+                       if args.allow else None)
+            security = PublisherSecurity(keys, allowed, plaintext=args.insecure)
+            with Publisher(args.channel, args.reader, args.bind, security=security,
+                           timing=_timing(args), allow_wildcard=args.allow_wildcard,
+                           window=_given(args.window, DEFAULT_WINDOW)) as publisher:
                 _stop_on_signals(publisher)
                 print(f"publishing channel {args.channel!r} on {publisher.endpoint}", flush=True)
                 why = publisher.serve()
@@ -109,11 +118,10 @@ def main(args: argparse.Namespace) -> int:
             return 0
         keys = CurveKeys.load(args.keys) if args.keys else None
         server = CurveKeys.load(args.server_key).public if args.server_key else None
-        with Relay(args.endpoint, args.name, args.readers, args.capacity, client_keys=keys,
-                   server_key=server, allow_plaintext=args.insecure,
-                   writer_timeout_s=args.writer_timeout,
-                   peer_timeout_s=_given(args.peer_timeout, DEFAULT_PEER_TIMEOUT_S),
-                   heartbeat_s=_given(args.heartbeat, DEFAULT_HEARTBEAT_S)) as relay:
+        with Relay(args.endpoint, args.name, n_readers=args.readers,
+                   security=RelaySecurity(keys, server, plaintext=args.insecure),
+                   timing=_timing(args, writer_timeout_s=args.writer_timeout),
+                   channel=NodeChannel(capacity_bytes=args.capacity)) as relay:
             _stop_on_signals(relay)
             if not args.no_wait:
                 print(f"channel {relay.name!r}: waiting for {args.readers} local reader(s)",

@@ -15,15 +15,20 @@ from .node import (
     DEFAULT_PEER_TIMEOUT_S,
     DEFAULT_WINDOW,
     CurveKeys,
+    NodeChannel,
     NodeStats,
     Publisher,
+    PublisherSecurity,
     PublisherStats,
     Relay,
+    RelaySecurity,
     RelayStats,
+    Timing,
     check_endpoint,
     generate_keys,
 )
 
-__all__ = ["Publisher", "Relay", "CurveKeys", "PublisherStats", "NodeStats", "RelayStats",
+__all__ = ["Publisher", "Relay", "CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing",
+           "NodeChannel", "PublisherStats", "NodeStats", "RelayStats",
            "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
            "DEFAULT_HEARTBEAT_S"]

@@ -15,13 +15,15 @@ from typing import Any
 import zmq
 import zmq.auth
 
+from .._proc import seconds_arg
 from ..errors import (
     InvalidArgument,
     Timeout,
 )
 from ..shm._closeable import Closeable
 
-__all__ = ["CurveKeys", "generate_keys", "check_endpoint", "check_curve", "check_plaintext",
+__all__ = ["CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing", "generate_keys",
+           "check_endpoint", "check_curve", "check_plaintext",
            "AllowList", "Peer", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S", "DEFAULT_HEARTBEAT_S",
            "DEFAULT_MAX_NODES", "DEFAULT_ACK_TIMEOUT_S", "POLL_S", "MAX_HELD_IDS", "LINGER_MS"]
 
@@ -56,6 +58,64 @@ class CurveKeys:
         return cls(public, secret)
 
 
+@dataclass(frozen=True, slots=True)
+class PublisherSecurity:
+    """How a Publisher admits relays, configured once (pyzmq's authenticator idea): its own
+    key pair (with the secret) and the public keys of the relays it accepts. Without keys the
+    Publisher runs plain TCP, refused unless `plaintext` is set (an ipc:// endpoint needs no
+    keys: the filesystem guards it)."""
+
+    keys: CurveKeys | None = None
+    allowed: tuple[bytes, ...] | None = None
+    plaintext: bool = False
+
+    def check(self, endpoint: str) -> None:
+        """InvalidArgument for keys without the relays' (or the reverse), a pair without its
+        secret, or plain TCP not asked for."""
+        check_curve(self.keys, "security.keys", self.allowed, "security.allowed",
+                    "the public keys of the relays that may connect")
+        check_plaintext(self.keys, endpoint, self.plaintext, "publisher",
+                        "PublisherSecurity(keys=, allowed=)")
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySecurity:
+    """How a Relay proves itself and knows its Publisher: its own key pair (with the secret)
+    and the Publisher's public key. Without keys, plain TCP, refused unless `plaintext`."""
+
+    keys: CurveKeys | None = None
+    server_key: bytes | None = None
+    plaintext: bool = False
+
+    def check(self, endpoint: str) -> None:
+        """As PublisherSecurity.check."""
+        check_curve(self.keys, "security.keys", self.server_key, "security.server_key",
+                    "the Publisher's public key")
+        check_plaintext(self.keys, endpoint, self.plaintext, "relay",
+                        "RelaySecurity(keys=, server_key=)")
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """The relay's clocks, on both sides: a peer silent for `peer_timeout_s` is gone; a PING
+    goes every `heartbeat_s` when nothing else is said; a Publisher drops a node that
+    acknowledges nothing for `ack_timeout_s` while behind; a Relay whose Publisher is gone
+    this long (`writer_timeout_s`, None: never) ends its channel with WriterGone."""
+
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S
+    writer_timeout_s: float | None = None
+
+    def check(self) -> Timing:
+        """This timing with each value checked (InvalidArgument names the field)."""
+        return Timing(seconds_arg(self.peer_timeout_s, "timing.peer_timeout_s"),
+                      seconds_arg(self.heartbeat_s, "timing.heartbeat_s"),
+                      seconds_arg(self.ack_timeout_s, "timing.ack_timeout_s"),
+                      None if self.writer_timeout_s is None
+                      else seconds_arg(self.writer_timeout_s, "timing.writer_timeout_s"))
+
+
 def generate_keys(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
     """Write a new key pair: DIR/NAME.key (public, give it to the peer) and DIR/NAME.key_secret
     (keep it private; mode 0600). Returns both paths."""
@@ -87,9 +147,9 @@ def check_plaintext(keys: Any, endpoint: str, allow_plaintext: bool, who: str,
             f"{who} on {endpoint} without CurveZMQ keys: any host that reaches it could "
             f"{'receive every stored tensor' if who == 'publisher' else 'feed this node data'}. "
             f"Make keys with `shmstore relay keygen DIR NAME` and pass {keys_arg} (--keys, "
-            "--allow / --server-key), or pass allow_plaintext=True (--insecure) on a trusted "
-            "network", "allow_plaintext", allow_plaintext)
-    log.warning("%s on %s runs WITHOUT encryption or authentication (allow_plaintext): any "
+            "--allow / --server-key), or pass plaintext=True (--insecure) on a trusted "
+            "network", "security.plaintext", allow_plaintext)
+    log.warning("%s on %s runs WITHOUT encryption or authentication (plaintext): any "
                 "host that reaches it can join; use CurveZMQ keys off a trusted network",
                 who, endpoint)
 

@@ -11,7 +11,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .._proc import int_arg, seconds_arg
+from .._proc import int_arg
 from ..errors import (
     Closed,
     CorruptObject,
@@ -25,18 +25,14 @@ from ..handle import Handle
 from ..queue.channel import Channel, ChannelReader, RawMessage
 from ..serde.codec import dumps
 from ._peer import (
-    DEFAULT_ACK_TIMEOUT_S,
-    DEFAULT_HEARTBEAT_S,
     DEFAULT_MAX_NODES,
-    DEFAULT_PEER_TIMEOUT_S,
     DEFAULT_WINDOW,
     POLL_S,
     AllowList,
-    CurveKeys,
     Peer,
-    check_curve,
+    PublisherSecurity,
+    Timing,
     check_endpoint,
-    check_plaintext,
 )
 from ._state import NodeState, NodeStats, PublisherStats
 from ._wire import (
@@ -80,26 +76,22 @@ class Publisher(Peer):
         reader: int,
         bind: str,
         *,
-        server_keys: CurveKeys | None = None,
-        allowed_clients: list[bytes] | None = None,
-        allow_wildcard: bool = False,
-        allow_plaintext: bool = False,
+        security: PublisherSecurity | None = None,
+        timing: Timing | None = None,
         window: int = DEFAULT_WINDOW,
-        peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
         max_nodes: int = DEFAULT_MAX_NODES,
+        allow_wildcard: bool = False,
     ) -> None:
         check_endpoint(bind, allow_wildcard)
         self.window = int_arg(window, "window", 1, 1 << 16)
-        self.peer_timeout_s = seconds_arg(peer_timeout_s, "peer_timeout_s")
-        self.heartbeat_s = seconds_arg(heartbeat_s, "heartbeat_s")
-        self.ack_timeout_s = seconds_arg(ack_timeout_s, "ack_timeout_s")
+        timing = (timing or Timing()).check()
+        security = security or PublisherSecurity()
+        self.peer_timeout_s = timing.peer_timeout_s
+        self.heartbeat_s = timing.heartbeat_s
+        self.ack_timeout_s = timing.ack_timeout_s
         self.max_nodes = int_arg(max_nodes, "max_nodes", 1, 1 << 16)
-        check_curve(server_keys, "server_keys", allowed_clients, "allowed_clients",
-                     "the public keys of the relays that may connect")
-        check_plaintext(server_keys, bind, allow_plaintext, "publisher",
-                        "server_keys and allowed_clients")
+        security.check(bind)
+        server_keys, allowed_clients = security.keys, security.allowed
         self._curve = server_keys is not None
         super().__init__()
         try:

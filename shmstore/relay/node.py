@@ -70,7 +70,6 @@ from typing import Any
 import zmq
 import zmq.auth
 
-from .._proc import seconds_arg
 from ..errors import (
     CorruptObject,
     InvalidArgument,
@@ -88,9 +87,10 @@ from ._peer import (
     DEFAULT_WINDOW,
     CurveKeys,
     Peer,
-    check_curve,
+    PublisherSecurity,
+    RelaySecurity,
+    Timing,
     check_endpoint,
-    check_plaintext,
     generate_keys,
 )
 from ._publisher import NodeStats, Publisher, PublisherStats
@@ -112,7 +112,8 @@ from ._wire import (
     parse,
 )
 
-__all__ = ["Publisher", "Relay", "CurveKeys", "PublisherStats", "NodeStats", "RelayStats",
+__all__ = ["Publisher", "Relay", "CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing",
+           "NodeChannel", "PublisherStats", "NodeStats", "RelayStats",
            "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
            "DEFAULT_HEARTBEAT_S"]
 
@@ -137,6 +138,17 @@ class RelayStats:
     bytes_received: int
 
 
+@dataclass(frozen=True, slots=True)
+class NodeChannel:
+    """The Channel a Relay creates on its node, as Channel.create takes it."""
+
+    capacity_bytes: int = 1 << 30
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD
+    n_slots: int = 64
+    policy: str = DEFAULT_POLICY
+    mode: int = 0o600
+
+
 class Relay(Peer):
     """Feeds the readers of one node from a Publisher on another node (see the module doc).
 
@@ -151,38 +163,31 @@ class Relay(Peer):
         self,
         connect: str,
         name: str,
-        n_readers: int,
-        capacity_bytes: int = 1 << 30,
         *,
+        n_readers: int,
         node: str | None = None,
-        client_keys: CurveKeys | None = None,
-        server_key: bytes | None = None,
-        allow_plaintext: bool = False,
-        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
-        n_slots: int = 64,
-        policy: str = DEFAULT_POLICY,
-        peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        writer_timeout_s: float | None = None,
-        mode: int = 0o600,
+        security: RelaySecurity | None = None,
+        timing: Timing | None = None,
+        channel: NodeChannel | None = None,
     ) -> None:
         self.connect = check_endpoint(connect, allow_wildcard=False)
-        check_curve(client_keys, "client_keys", server_key, "server_key",
-                     "the Publisher's public key")
-        self.peer_timeout_s = seconds_arg(peer_timeout_s, "peer_timeout_s")
-        self.heartbeat_s = seconds_arg(heartbeat_s, "heartbeat_s")
-        self.writer_timeout_s = (None if writer_timeout_s is None
-                                 else seconds_arg(writer_timeout_s, "writer_timeout_s"))
-        check_plaintext(client_keys, self.connect, allow_plaintext, "relay",
-                        "client_keys and server_key")
+        timing = (timing or Timing()).check()
+        security = security or RelaySecurity()
+        security.check(self.connect)
+        channel = channel or NodeChannel()
+        self.peer_timeout_s = timing.peer_timeout_s
+        self.heartbeat_s = timing.heartbeat_s
+        self.writer_timeout_s = timing.writer_timeout_s
         self.node = node if node is not None else f"{os.uname().nodename}:{os.getpid()}"
-        self._keys = client_keys
-        self._server_key = server_key
+        self._keys = security.keys
+        self._server_key = security.server_key
         super().__init__()
         try:
-            self._channel = Channel.create(name, n_readers=n_readers, capacity_bytes=capacity_bytes,
-                                           inline_threshold=inline_threshold, n_slots=n_slots,
-                                           policy=policy, mode=mode)
+            self._channel = Channel.create(name, n_readers=n_readers,
+                                           capacity_bytes=channel.capacity_bytes,
+                                           inline_threshold=channel.inline_threshold,
+                                           n_slots=channel.n_slots, policy=channel.policy,
+                                           mode=channel.mode)
         except BaseException:
             self.close()
             raise

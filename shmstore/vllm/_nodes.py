@@ -58,7 +58,7 @@ class HeadPublisher:
 
     def __init__(self, make_channel: Any, d: Any) -> None:
         """`d`: the Deployment (vllm/_deployment.py) of a TP group across nodes."""
-        from ..relay.node import CurveKeys, Publisher
+        from ..relay import CurveKeys, Publisher, PublisherSecurity
 
         n_remote_nodes, n_local, name = d.nodes - 1, d.n_readers, d.name
         if not d.publish:
@@ -69,13 +69,13 @@ class HeadPublisher:
                 "each other node (see the README), or use --mm-processor-cache-type lru",
                 PUBLISH_ENV, None)
         keys = CurveKeys.load(d.keys_file) if d.keys_file else None
-        allowed = [CurveKeys.load(p).public for p in d.allow] if d.allow else None
+        allowed = tuple(CurveKeys.load(p).public for p in d.allow) if d.allow else None
         self.n_remote_nodes = n_remote_nodes
         self.channel: ChannelWriter = make_channel(
             lambda **kw: Channel.create(name, n_readers=n_local + 1, inline_threshold=0, **kw))
         try:
-            self.publisher = Publisher(name, n_local, d.publish, server_keys=keys,
-                                       allowed_clients=allowed, allow_plaintext=d.insecure)
+            security = PublisherSecurity(keys, allowed, plaintext=d.insecure)
+            self.publisher = Publisher(name, n_local, d.publish, security=security)
         except BaseException:
             self.channel.close()
             raise

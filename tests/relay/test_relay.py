@@ -12,6 +12,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -23,6 +24,17 @@ from hypothesis import strategies as st
 
 from shmstore import Channel, Closed, InvalidArgument, WriterGone, dumps
 from shmstore.errors import ProtocolError
+from shmstore.relay import (
+    CurveKeys,
+    NodeChannel,
+    Publisher,
+    PublisherSecurity,
+    Relay,
+    RelaySecurity,
+    Timing,
+    check_endpoint,
+    generate_keys,
+)
 from shmstore.relay._wire import (
     ACK,
     HELLO,
@@ -36,12 +48,13 @@ from shmstore.relay._wire import (
     pack,
     parse,
 )
-from shmstore.relay.node import CurveKeys, Publisher, Relay, check_endpoint, generate_keys
 from shmstore.serde.codec import BODY_HEADER, BODY_MAGIC
 from tests.conftest import new_name
 
 pytestmark = pytest.mark.timeout(60)
-FAST = {"peer_timeout_s": 1.0, "heartbeat_s": 0.1, "allow_plaintext": True}
+FAST = Timing(peer_timeout_s=1.0, heartbeat_s=0.1)
+PLAIN = PublisherSecurity(plaintext=True)
+RELAY_PLAIN = RelaySecurity(plaintext=True)
 
 
 def image(key: int, nbytes: int = 200_000) -> np.ndarray:
@@ -53,11 +66,12 @@ class Net:
 
     def __init__(self, n_nodes: int, *, relay_capacity: int = 64 << 20,
                  writer_capacity: int = 64 << 20, writer_inline: int = 64 << 10,
-                 **publisher_kw: object) -> None:
+                 timing: Timing = FAST, **publisher_kw: Any) -> None:
         self.name = new_name("relay")
         self.writer = Channel.create(self.name, n_readers=1, capacity_bytes=writer_capacity,
                                      inline_threshold=writer_inline)
-        self.publisher = Publisher(self.name, 0, "tcp://127.0.0.1:*", **{**FAST, **publisher_kw})
+        self.publisher = Publisher(self.name, 0, "tcp://127.0.0.1:*", security=PLAIN, timing=timing,
+                                   **publisher_kw)
         self.publisher.start()
         self.relays: list[Relay] = []
         self.readers = []
@@ -65,8 +79,9 @@ class Net:
             self.add_node(f"{self.name}-n{i}", relay_capacity)
         self.writer.wait_for_readers(10)
 
-    def add_node(self, name: str, capacity: int, **kw: object) -> None:
-        relay = Relay(self.publisher.endpoint, name, 1, capacity, node=name, **{**FAST, **kw})
+    def add_node(self, name: str, capacity: int, timing: Timing = FAST, **channel: Any) -> None:
+        relay = Relay(self.publisher.endpoint, name, n_readers=1, node=name, security=RELAY_PLAIN,
+                      timing=timing, channel=NodeChannel(capacity_bytes=capacity, **channel))
         self.relays.append(relay)
         self.readers.append(Channel.attach(name, 0))
         relay.wait_for_readers(10)
@@ -239,7 +254,7 @@ def test_a_node_whose_readers_stall_past_the_peer_timeout_does_not_reconnect() -
         n.add_node(f"{n.name}-slow", 64 << 20, n_slots=2)
         keys = list(range(12))
         send_keys(n.writer, keys, nbytes=1000)  # inline: the node's 2 slots fill at once
-        time.sleep(2.5 * FAST["peer_timeout_s"])  # the reader stalls: the node waits on it
+        time.sleep(2.5 * FAST.peer_timeout_s)  # the reader stalls: the node waits on it
         check_received(n.readers[0], keys)
         stats = n.relays[0].stats()
         assert stats.reconnects == 0 and stats.lost == 0
@@ -252,7 +267,7 @@ def test_a_node_whose_readers_stall_past_the_peer_timeout_does_not_reconnect() -
 def test_relay_reports_writer_gone_after_writer_timeout() -> None:
     n = Net(0)
     try:
-        n.add_node(f"{n.name}-w", 64 << 20, writer_timeout_s=1.5)
+        n.add_node(f"{n.name}-w", 64 << 20, timing=replace(FAST, writer_timeout_s=1.5))
         n.publisher.close()  # the writer's node vanishes without a word
         with pytest.raises(WriterGone):
             n.readers[0].recv(timeout=10)
@@ -357,7 +372,8 @@ def fake_publisher(tag: str) -> Iterator[tuple[Any, bytes, Relay, Any]]:
     name = new_name(tag)
     with zmq.Context.instance().socket(zmq.ROUTER) as fake:
         port = fake.bind_to_random_port("tcp://127.0.0.1")
-        relay = Relay(f"tcp://127.0.0.1:{port}", name, 1, 8 << 20, **FAST)
+        relay = Relay(f"tcp://127.0.0.1:{port}", name, n_readers=1, security=RELAY_PLAIN,
+                      timing=FAST, channel=NodeChannel(capacity_bytes=8 << 20))
         reader = Channel.attach(name, 0)
         try:
             relay.start()
@@ -417,21 +433,26 @@ def test_malformed_endpoints_are_refused(endpoint: object) -> None:
 def test_publisher_arguments_are_checked() -> None:
     name = new_name("args")
     with Channel.create(name, n_readers=1, capacity_bytes=1 << 20):
-        with pytest.raises(InvalidArgument, match="both server_keys and allowed_clients"):
-            Publisher(name, 0, "tcp://127.0.0.1:*", allowed_clients=[b"x" * 40])
-        with pytest.raises(InvalidArgument, match="server_keys needs the secret key"):
-            Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=CurveKeys(b"p" * 40),
-                      allowed_clients=[b"x" * 40])
-    with pytest.raises(InvalidArgument, match="both client_keys and server_key"):
-        Relay("tcp://127.0.0.1:1", new_name("args"), 1, server_key=b"p" * 40)
-    with pytest.raises(InvalidArgument, match="client_keys needs the secret key"):
-        Relay("tcp://127.0.0.1:1", new_name("args"), 1, client_keys=CurveKeys(b"c" * 40),
-              server_key=b"p" * 40)
+        with pytest.raises(InvalidArgument, match=r"both security\.keys and security\.allowed"):
+            Publisher(name, 0, "tcp://127.0.0.1:*",
+                      security=PublisherSecurity(allowed=(b"x" * 40,)))
+        with pytest.raises(InvalidArgument, match=r"security\.keys needs the secret key"):
+            Publisher(name, 0, "tcp://127.0.0.1:*",
+                      security=PublisherSecurity(CurveKeys(b"p" * 40), (b"x" * 40,)))
+    with pytest.raises(InvalidArgument, match=r"both security\.keys and security\.server_key"):
+        Relay("tcp://127.0.0.1:1", new_name("args"), n_readers=1,
+              security=RelaySecurity(server_key=b"p" * 40))
+    with pytest.raises(InvalidArgument, match=r"security\.keys needs the secret key"):
+        Relay("tcp://127.0.0.1:1", new_name("args"), n_readers=1,
+              security=RelaySecurity(CurveKeys(b"c" * 40), b"p" * 40))
+    with pytest.raises(InvalidArgument, match=r"timing\.writer_timeout_s"):
+        Relay("tcp://127.0.0.1:1", new_name("args"), n_readers=1, security=RELAY_PLAIN,
+              timing=Timing(writer_timeout_s=-1))
     with Channel.create(name, n_readers=1, capacity_bytes=1 << 20):
         with pytest.raises(InvalidArgument, match="window"):
-            Publisher(name, 0, "tcp://127.0.0.1:*", window=0)
-        with pytest.raises(InvalidArgument, match="peer_timeout_s"):
-            Publisher(name, 0, "tcp://127.0.0.1:*", peer_timeout_s=0)
+            Publisher(name, 0, "tcp://127.0.0.1:*", security=PLAIN, window=0)
+        with pytest.raises(InvalidArgument, match=r"timing\.peer_timeout_s"):
+            Publisher(name, 0, "tcp://127.0.0.1:*", security=PLAIN, timing=Timing(0))
 
 
 @pytest.mark.slow
@@ -442,15 +463,17 @@ def test_curve_refuses_unknown_relays(tmp_path) -> None:
     assert (tmp_path / "server.key_secret").stat().st_mode & 0o077 == 0
     name = new_name("curve")
     writer = Channel.create(name, n_readers=1, capacity_bytes=8 << 20)
-    publisher = Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=server,
-                          allowed_clients=[good.public], **FAST)
+    publisher = Publisher(name, 0, "tcp://127.0.0.1:*",
+                          security=PublisherSecurity(server, (good.public,)), timing=FAST)
     publisher.start()
     relays = []
     try:
         for tag, keys in (("bad", bad), ("good", good)):
-            relays.append(Relay(publisher.endpoint, f"{name}-{tag}", 1, 8 << 20,
-                                client_keys=keys, server_key=server.public, **FAST))
-        plain = Relay(publisher.endpoint, f"{name}-plain", 1, 8 << 20, **FAST)
+            relays.append(Relay(publisher.endpoint, f"{name}-{tag}", n_readers=1, timing=FAST,
+                                security=RelaySecurity(keys, server.public),
+                                channel=NodeChannel(capacity_bytes=8 << 20)))
+        plain = Relay(publisher.endpoint, f"{name}-plain", n_readers=1, security=RELAY_PLAIN,
+                      timing=FAST, channel=NodeChannel(capacity_bytes=8 << 20))
         relays.append(plain)
         readers = [Channel.attach(r.name, 0) for r in relays]
         for relay in relays:
@@ -561,15 +584,15 @@ def test_plain_tcp_is_refused_unless_asked_for() -> None:
     with Channel.create(name, n_readers=1, capacity_bytes=1 << 20):
         with pytest.raises(InvalidArgument, match=r"without CurveZMQ keys.*relay keygen") as info:
             Publisher(name, 0, "tcp://127.0.0.1:*")
-        assert info.value.argument == "allow_plaintext"
+        assert info.value.argument == "security.plaintext"
         with Publisher(name, 0, f"ipc:///tmp/{name}.sock") as local:  # a local socket: allowed
             assert local.endpoint.startswith("ipc://")
     with pytest.raises(InvalidArgument, match=r"without CurveZMQ keys.*--insecure"):
-        Relay("tcp://127.0.0.1:1", new_name("plain"), 1, 8 << 20)
+        Relay("tcp://127.0.0.1:1", new_name("plain"), n_readers=1)
 
 
 def test_a_node_that_pings_but_never_acknowledges_is_dropped_and_holds_nothing() -> None:
-    net = Net(0, window=8, ack_timeout_s=1.0)
+    net = Net(0, window=8, timing=replace(FAST, ack_timeout_s=1.0))
     rogue = Rogue(net.publisher.endpoint)
     try:
         assert wait_until(lambda: net.publisher.nodes_connected == 1)
@@ -590,7 +613,7 @@ def test_a_node_connecting_again_replaces_its_older_connection() -> None:
     """A relay restarted (or reconnected) within the peer timeout: its newer connection
     replaces the older one at once, whatever order their HELLOs arrive in, so the node counts
     once and the dead connection's unacknowledged window holds nothing."""
-    net = Net(0, window=4, ack_timeout_s=30.0, peer_timeout_s=30.0)
+    net = Net(0, window=4, timing=replace(FAST, ack_timeout_s=30.0, peer_timeout_s=30.0))
     old = Rogue(net.publisher.endpoint, "same-name", since=100)
     rogues = [old]
     try:
@@ -624,13 +647,12 @@ def test_one_curve_key_on_two_relays_counts_as_one_node(tmp_path) -> None:
     client = CurveKeys.load(tmp_path / "node.key_secret")
     name = new_name("twice")
     with Channel.create(name, n_readers=1, capacity_bytes=8 << 20) as writer:
-        publisher = Publisher(name, 0, "tcp://127.0.0.1:*", server_keys=server,
-                              allowed_clients=[client.public], peer_timeout_s=1.0,
-                              heartbeat_s=0.1)
+        publisher = Publisher(name, 0, "tcp://127.0.0.1:*",
+                              security=PublisherSecurity(server, (client.public,)), timing=FAST)
         publisher.start()
-        relays = [Relay(publisher.endpoint, f"{name}-{i}", 1, 8 << 20, node=f"n{i}",
-                        client_keys=client, server_key=server.public, peer_timeout_s=1.0,
-                        heartbeat_s=0.1) for i in range(2)]
+        relays = [Relay(publisher.endpoint, f"{name}-{i}", n_readers=1, node=f"n{i}",
+                        security=RelaySecurity(client, server.public), timing=FAST,
+                        channel=NodeChannel(capacity_bytes=8 << 20)) for i in range(2)]
         try:
             for relay in relays:
                 relay.start()

@@ -36,7 +36,14 @@ from vllm.multimodal.inputs import (  # noqa: E402
 )
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from shmstore.relay.node import CurveKeys, Relay, generate_keys  # noqa: E402
+from shmstore.relay import (  # noqa: E402
+    CurveKeys,
+    NodeChannel,
+    Relay,
+    RelaySecurity,
+    Timing,
+    generate_keys,
+)
 from shmstore.vllm._env import (  # noqa: E402
     ALLOW_ENV,
     INSECURE_ENV,
@@ -504,8 +511,10 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         with pytest.raises(MultiModalCacheMissError):
             sender.get_and_update_item(None, "h0")
         assert sender.inline_fallbacks == 1
-        relay = Relay(sender.publisher.endpoint, node, 1, 64 * MB, peer_timeout_s=1.0,
-                      heartbeat_s=0.1, allow_plaintext=True)
+        relay = Relay(sender.publisher.endpoint, node, n_readers=1,
+                      security=RelaySecurity(plaintext=True),
+                      timing=Timing(peer_timeout_s=1.0, heartbeat_s=0.1),
+                      channel=NodeChannel(capacity_bytes=64 * MB))
         monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", node)  # node 1's name
         remote = ShmstoreReceiverCache(config(node, nodes=2, node_rank=1), None)
         relay.wait_for_readers(10)
@@ -553,8 +562,10 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
             time.sleep(0.01)
         item9 = image_item(9)
         assert sender.get_and_update_item((item9, []), "h9") == (item9, [])
-        relay = Relay(sender.publisher.endpoint, node, 1, 64 * MB, peer_timeout_s=1.0,
-                      heartbeat_s=0.1, allow_plaintext=True)
+        relay = Relay(sender.publisher.endpoint, node, n_readers=1,
+                      security=RelaySecurity(plaintext=True),
+                      timing=Timing(peer_timeout_s=1.0, heartbeat_s=0.1),
+                      channel=NodeChannel(capacity_bytes=64 * MB))
         deadline = time.monotonic() + 10
         while remote.feed.reader is None and time.monotonic() < deadline:
             remote.get_and_update_features([])  # steps: a try per second
@@ -594,18 +605,22 @@ def test_across_nodes_with_curve_keys_only_listed_relays_get_handles(
     server = CurveKeys.load(tmp_path / "head.key").public
     relays = []
     try:
-        stranger = Relay(sender.publisher.endpoint, f"{name}-x", 1, 16 * MB, heartbeat_s=0.1,
-                         client_keys=CurveKeys.load(tmp_path / "stranger.key_secret"),
-                         server_key=server)
+        stranger = Relay(sender.publisher.endpoint, f"{name}-x", n_readers=1,
+                         timing=Timing(heartbeat_s=0.1),
+                         security=RelaySecurity(CurveKeys.load(tmp_path / "stranger.key_secret"),
+                                                server),
+                         channel=NodeChannel(capacity_bytes=16 * MB))
         relays.append(stranger)
         stranger.start()
         time.sleep(1.0)
         assert sender.publisher.nodes_connected == 0  # refused at the handshake
         item = image_item(1)
         assert sender.get_and_update_item((item, []), "h1") == (item, [])  # inline
-        listed = Relay(sender.publisher.endpoint, f"{name}-n1", 1, 16 * MB, heartbeat_s=0.1,
-                       client_keys=CurveKeys.load(tmp_path / "node1.key_secret"),
-                       server_key=server)
+        listed = Relay(sender.publisher.endpoint, f"{name}-n1", n_readers=1,
+                       timing=Timing(heartbeat_s=0.1),
+                       security=RelaySecurity(CurveKeys.load(tmp_path / "node1.key_secret"),
+                                              server),
+                       channel=NodeChannel(capacity_bytes=16 * MB))
         relays.append(listed)
         listed.start()
         sender.publisher.wait_for_nodes(1, 10)
