@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from traces import FAMILIES, make_family, working_set_bytes
+from _hitratio import working_set_bytes, write_csv
+from traces import FAMILIES, make_family
 
 from shmstore.cache.hitsim import replay, replay_split
-from shmstore.cli.hitrate import write_csv
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2

@@ -36,32 +36,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from traces import FAMILIES, infinite_hit_ratio, make_family, working_set_bytes
+from _hitratio import libcachesim_ratio, working_set_bytes, write_csv
+from traces import FAMILIES, infinite_hit_ratio, make_family
 
 from shmstore.cache.hitsim import SIM_KINDS, replay
-from shmstore.cli.hitrate import write_csv
 from shmstore.store.object_store import ObjectStore
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2
 MSGPACK_OVERHEAD = 64  # what serializing one tensor adds to its bytes, about
-
-
-def libcachesim_ratio(algo: str, trace: list[tuple[str, int]], capacity: int,
-                      charged: dict[int, int]) -> float:
-    import libcachesim as lcs
-
-    if algo == "S3FIFO":
-        small = max(0.1, max(charged.values()) / capacity)
-        cache = lcs.S3FIFO(cache_size=capacity, small_size_ratio=min(small, 0.9))
-    else:
-        cache = getattr(lcs, algo)(cache_size=capacity)
-    ids: dict[str, int] = {}
-    hits = 0
-    for key, size in trace:
-        obj_id = ids.setdefault(key, len(ids) + 1)
-        hits += bool(cache.get(lcs.Request(obj_size=charged[size], obj_id=obj_id)))
-    return hits / len(trace)
 
 
 def run_family(family: str, n_requests: int) -> list[dict[str, Any]]:

@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hitrate import libcachesim_ratio
-from traces import FAMILIES, make_family, working_set_bytes
+from _hitratio import libcachesim_ratio, working_set_bytes, write_csv
+from traces import FAMILIES, make_family
 
 from shmstore.cache.hitsim import RingSim, make_sim
-from shmstore.cli.hitrate import write_csv
 from shmstore.store.object_store import ObjectStore
 from shmstore.store.policy import AdaptivePolicy
 

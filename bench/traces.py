@@ -85,11 +85,6 @@ def make_trace(spec: TraceSpec) -> list[tuple[str, int]]:
     return trace
 
 
-def working_set_bytes(trace: list[tuple[str, int]]) -> int:
-    """Bytes of all distinct items of the trace."""
-    return sum(dict(trace).values())
-
-
 def infinite_hit_ratio(trace: list[tuple[str, int]]) -> float:
     """Hit ratio of a cache that never evicts: every request but each item's first."""
     return 1 - len({key for key, _ in trace}) / len(trace)

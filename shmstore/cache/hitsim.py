@@ -15,9 +15,11 @@ check request by request that they agree with the real caches.
 
 from __future__ import annotations
 
+import csv
 import zlib
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._proc import int_arg
@@ -29,7 +31,7 @@ from ..store.policy import EvictionPolicy, RingReplay, make_policy
 from .caches import CACHE_KINDS, ReceiverCache, SenderCache, _LruBytes
 
 __all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "replay_split", "route_index",
-           "real_hits", "SIM_KINDS"]
+           "real_hits", "SIM_KINDS", "working_set_bytes", "write_csv"]
 
 SIM_KINDS = CACHE_KINDS  # every cache kind replays
 
@@ -238,3 +240,20 @@ def real_hits(kind: str, trace: Iterable[tuple[str, int]], capacity_bytes: int,
             receiver.close()
         sender.close()
     return hits
+
+
+def working_set_bytes(trace: Iterable[tuple[Hashable, int]]) -> int:
+    """The bytes of every distinct item at its largest size in the trace."""
+    largest: dict[Hashable, int] = {}
+    for key, nbytes in trace:
+        if nbytes > largest.get(key, -1):
+            largest[key] = nbytes
+    return sum(largest.values())
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Write `rows` (dicts with the same keys, in the first row's order) to `path` as csv."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -30,17 +30,26 @@ in file order, or by time when the time column is given and not sorted.
 from __future__ import annotations
 
 import argparse
-import csv
 import signal
 import sys
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..cache.hitsim import SIM_KINDS, SimStats, make_sim, real_hits, replay, replay_split, route_index
+from ..cache.hitsim import (
+    SIM_KINDS,
+    SimStats,
+    make_sim,
+    real_hits,
+    replay,
+    replay_split,
+    route_index,
+    working_set_bytes,
+    write_csv,
+)
 from ._traces import Trace, TraceError, read_trace
 from ._units import format_size, parse_size
 
@@ -101,15 +110,6 @@ def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
                              "smaller budget")
         budgets.append((part, nbytes))
     return budgets
-
-
-def working_set_bytes(trace: Trace) -> int:
-    """The bytes of every distinct item at its largest size in the trace."""
-    largest: dict[Hashable, int] = {}
-    for key, nbytes in trace:
-        if nbytes > largest.get(key, -1):
-            largest[key] = nbytes
-    return sum(largest.values())
 
 
 def recommend(stats: Sequence[SimStats], target: float, workers: int) -> list[str]:
@@ -310,9 +310,3 @@ def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path) -> bool:
     return True
 
 
-def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Write `rows` (dicts with the same keys, in the first row's order) to `path` as csv."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)

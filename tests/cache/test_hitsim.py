@@ -8,12 +8,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmstore.cache.hitsim import SIM_KINDS, make_sim, real_hits, replay, replay_split, route_index
+from shmstore.cache.hitsim import (
+    SIM_KINDS,
+    make_sim,
+    real_hits,
+    replay,
+    replay_split,
+    route_index,
+    working_set_bytes,
+)
 from shmstore.store.policy import FreqPolicy, make_policy
 from tests._names import InvalidArgument, ObjectStore, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from traces import make_family, working_set_bytes
+from traces import make_family
 
 KIB = 1024
 

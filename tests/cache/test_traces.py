@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from shmstore.cache.hitsim import working_set_bytes
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from traces import PREPROCESSOR_BYTES, TraceSpec, make_trace, working_set_bytes
+from traces import PREPROCESSOR_BYTES, TraceSpec, make_trace
 
 
 def test_same_spec_same_trace_other_seed_other_trace() -> None:
