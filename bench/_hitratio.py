@@ -4,7 +4,7 @@ one working set (shmstore's own: every distinct item at its largest size), csv o
 
 from __future__ import annotations
 
-from shmstore.cache.hitsim import working_set_bytes, write_csv
+from shmstore.cache._hitsim import working_set_bytes, write_csv
 
 __all__ = ["working_set_bytes", "write_csv", "libcachesim_ratio"]
 

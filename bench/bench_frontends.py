@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/bench_frontends.py [--quick] [--frontends 2,4] [--out DIR]
 
-Each family of bench/traces.py is replayed (shmstore.cache.hitsim) as N front ends that take
+Each family of bench/traces.py is replayed (shmstore.cache._hitsim) as N front ends that take
 the requests in turn, as the kernel spreads connections over vLLM's API servers. Columns, at
 each cache size (1, 5, 10, 25% of the working set, the budget B):
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hitratio import working_set_bytes, write_csv
 from traces import FAMILIES, make_family
 
-from shmstore.cache.hitsim import replay, replay_split
+from shmstore.cache._hitsim import replay, replay_split
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python bench/bench_hitrate.py [--quick] [--requests N] [--out bench/results]
 
 For each family of bench/traces.py and each cache size (1, 5, 10, 25% of the trace's working
-set), the caches' decisions are replayed on metadata (shmstore.cache.hitsim: the store's own ring
+set), the caches' decisions are replayed on metadata (shmstore.cache._hitsim: the store's own ring
 placement and policy objects, and the lru kind's own LRU; tests/cache/test_hitsim.py checks request
 by request that the replay and the real caches in shared memory agree). Kinds: shm-fifo,
 shm-reinsert, shm-freq, shm-adaptive (the caches' default), lru at the same budget, and lru at
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hitratio import libcachesim_ratio, working_set_bytes, write_csv
 from traces import FAMILIES, infinite_hit_ratio, make_family
 
-from shmstore.cache.hitsim import SIM_KINDS, replay
-from shmstore.store.object_store import ObjectStore
+from shmstore.cache._hitsim import SIM_KINDS, replay
+from shmstore.store._object_store import ObjectStore
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2

@@ -29,8 +29,8 @@ import numpy as np
 
 from shmstore import BroadcastQueue, ObjectStore
 from shmstore.handle import key_digest
+from shmstore.serde._codec import _Encoder, encode
 from shmstore.serde._decode import decode
-from shmstore.serde.codec import _Encoder, encode
 from shmstore.store._layout import U64
 
 BATCH = 200

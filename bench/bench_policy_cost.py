@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shmstore import ObjectStore
-from shmstore.store.policy import AdaptivePolicy, make_policy
+from shmstore.store._policy import AdaptivePolicy, make_policy
 
 KIB = 1024
 

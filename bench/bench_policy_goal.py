@@ -6,7 +6,7 @@
 A cell is one family of bench/traces.py, one trace seed and one cache size (1, 5, 10 or 25% of
 the trace's working set). In every cell the default policy (`adaptive`) must be at most 0.5
 points below LRU at the same budget, and at most 0.2 points below the better of `reinsert` and
-`freq`. The replay is shmstore.cache.hitsim's (the store's own ring and policy objects, checked
+`freq`. The replay is shmstore.cache._hitsim's (the store's own ring and policy objects, checked
 request by request against the real caches by tests/cache/test_hitsim.py), with 2 readers.
 
 Prints one line per cell (the goal's two margins, the rule adaptive applied at the end, the
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hitratio import libcachesim_ratio, working_set_bytes, write_csv
 from traces import FAMILIES, make_family
 
-from shmstore.cache.hitsim import RingSim, make_sim
-from shmstore.store.object_store import ObjectStore
-from shmstore.store.policy import AdaptivePolicy
+from shmstore.cache._hitsim import RingSim, make_sim
+from shmstore.store._object_store import ObjectStore
+from shmstore.store._policy import AdaptivePolicy
 
 PERCENTS = (1, 5, 10, 25)
 N_READERS = 2

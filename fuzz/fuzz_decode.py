@@ -18,7 +18,7 @@ with atheris.instrument_imports():
 
     from shmstore.errors import CorruptObject, InvalidHandle, StaleHandle
     from shmstore.handle import Handle
-    from shmstore.serde.codec import decode, dumps
+    from shmstore.serde._codec import decode, dumps
 
 SEED_BODY = dumps({"pixel_values": np.arange(12, dtype=np.float32).reshape(3, 4),
                    "sizes": (336, 336), "text": "x", "h": Handle(64, 1, b"k" * 16, 7)})

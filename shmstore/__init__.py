@@ -22,8 +22,8 @@ import each other):
     cli                     the `shmstore` command
 """
 
-from .cache.caches import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache
-from .cache.hashing import mm_hash
+from .cache._caches import CACHE_KINDS, CacheStats, ReceiverCache, SenderCache
+from .cache._hashing import mm_hash
 from .errors import (
     Closed,
     CorruptObject,
@@ -44,10 +44,10 @@ from .errors import (
     WriterGone,
 )
 from .handle import Handle
-from .queue.broadcast import BroadcastQueue, QueueReader, QueueWriter
-from .queue.channel import Channel, ChannelReader, ChannelWriter
-from .serde.codec import Blank, dumps, loads
-from .store.object_store import ObjectStore, StoreReader, StoreStats, StoreWriter
+from .queue._broadcast import BroadcastQueue, QueueReader, QueueWriter
+from .queue._channel import Channel, ChannelReader, ChannelWriter
+from .serde._codec import Blank, dumps, loads
+from .store._object_store import ObjectStore, StoreReader, StoreStats, StoreWriter
 
 __version__ = "0.3.0"
 

@@ -5,12 +5,12 @@ meet). Importing it imports the socket code of the host; `import shmstore` does 
 `shmstore/__init__.py`, a face above the layers: it re-exports, and no layer imports it.
 """
 
-from .serde.codec import Encoded, Verbatim, decode, encode
-from .shm.ring import RingWriter, ShmRingBuffer
-from .shm.segment import Segment
+from .serde._codec import Encoded, Verbatim, decode, encode
+from .shm._ring import RingWriter, ShmRingBuffer
+from .shm._segment import Segment
 from .store._api import WriterAPI
-from .store.host import WriterHost
-from .store.policy import (
+from .store._host import WriterHost
+from .store._policy import (
     DEFAULT_POLICY,
     POLICIES,
     RING_POLICY,
@@ -23,8 +23,8 @@ from .store.policy import (
     RingReplay,
     make_policy,
 )
-from .store.remote import RemoteWriter
-from .store.writer import Reservation
+from .store._remote import RemoteWriter
+from .store._writer import Reservation
 
 __all__ = [
     "Segment", "ShmRingBuffer", "RingWriter",

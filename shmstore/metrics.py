@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .store.object_store import StoreWriter
+from .store._object_store import StoreWriter
 
 __all__ = ["register_store_metrics", "register_collector", "mirror_to_multiprocess",
            "StoreCollector"]

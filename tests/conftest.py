@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from shmstore._proc import pid_alive
-from shmstore.shm.segment import MAGIC, SEGMENT_HEADER, SHM_DIR
+from shmstore.shm._segment import MAGIC, SEGMENT_HEADER, SHM_DIR
 
 SESSION_START_NS = time.time_ns()
 # One token per test session, inherited by the processes it spawns: the leak check below only

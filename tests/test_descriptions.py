@@ -10,9 +10,9 @@ import pytest
 
 import shmstore
 import shmstore.errors
-from shmstore.cache.caches import CACHE_KINDS, DEFAULT_KIND
-from shmstore.cache.hitsim import SIM_KINDS
-from shmstore.store.policy import DEFAULT_POLICY, POLICIES, POLICY_IDS, RING_POLICY
+from shmstore.cache._caches import CACHE_KINDS, DEFAULT_KIND
+from shmstore.cache._hitsim import SIM_KINDS
+from shmstore.store._policy import DEFAULT_POLICY, POLICIES, POLICY_IDS, RING_POLICY
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(shmstore.__file__).parent

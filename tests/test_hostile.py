@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from shmstore.queue._layout import QUEUE_META, QUEUE_ROW, SLOT_HEADER
-from shmstore.shm.segment import SEGMENT_HEADER
+from shmstore.shm._segment import SEGMENT_HEADER
 from shmstore.store._layout import OBJECT_HEADER, ROW_PIN_MASK, STORE_META, STORE_ROW
 from tests._names import Channel, ShmStoreError
 
@@ -325,7 +325,7 @@ def test_a_get_whose_pin_words_were_damaged_fails_instead_of_returning_reused_by
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pin is what keeps bytes under read; damage it mid-read, let the writer reuse the
     space, and the copy must be refused (StaleHandle), not returned."""
-    import shmstore.store.object_store as store_module
+    import shmstore.store._object_store as store_module
     from shmstore.store._layout import ROW_PINS
     from tests._names import ObjectStore, StaleHandle
 

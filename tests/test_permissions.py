@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from shmstore.shm.segment import SHM_DIR
+from shmstore.shm._segment import SHM_DIR
 from tests._names import ObjectStore
 
 NOBODY = 65534

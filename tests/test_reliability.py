@@ -20,9 +20,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmstore.cli.commands import list_segments
-from shmstore.queue.broadcast import META_WRITE_SEQ
-from shmstore.serde.codec import BODY_HEADER, BODY_MAGIC, EXT_TUPLE
+from shmstore.cli._commands import list_segments
+from shmstore.queue._broadcast import META_WRITE_SEQ
+from shmstore.serde._codec import BODY_HEADER, BODY_MAGIC, EXT_TUPLE
 from shmstore.store._layout import ROW_PIN_MASK
 from tests._names import (
     BroadcastQueue,
@@ -567,7 +567,7 @@ def test_12_damaged_queue_slots_are_skipped_once_and_never_wedge(name: str) -> N
 
 def test_13_a_writer_killed_while_reserving_leaves_a_name_tools_and_restarts_recover(name: str) -> None:
     code = f"""
-import os, shmstore.shm.segment as seg
+import os, shmstore.shm._segment as seg
 from shmstore import ObjectStore
 original = seg._reserve
 def reserve_then_die(fd, name, total):

@@ -1,10 +1,10 @@
 """Messages: a broadcast queue (one writer, every reader gets every message, in order) and the
 Channel that sends small values inline and large ones by handle through a store.
 
-    broadcast.py   BroadcastQueue.create / attach, QueueReader
-    writer.py      QueueWriter
+    _broadcast.py  BroadcastQueue.create / attach, QueueReader
+    _writer.py     QueueWriter
     _layout.py     the binary layout of the queue's header, reader rows and slots
-    channel.py     Channel, ChannelWriter, ChannelReader
+    _channel.py    Channel, ChannelWriter, ChannelReader
 
 May import: errors, handle, _proc, shm, serde, store.
 """

@@ -1,6 +1,6 @@
 """The broadcast queue's binary layout and what its writer and readers share.
 
-BroadcastQueue (broadcast.py): one writer, N readers; every reader gets every message, in order.
+BroadcastQueue (_broadcast.py): one writer, N readers; every reader gets every message, in order.
 
 A ring of fixed-size slots in one Segment. Message number m (1, 2, 3, ...) goes to slot
 (m - 1) % n_slots. The writer may fill slot m only when every attached reader has consumed
@@ -57,7 +57,7 @@ import zlib
 from ..errors import IncompatibleSegment
 from ..shm._closeable import CallGuard, Closeable
 from ..shm._readers import ROW_HEAD_BYTES, ReaderTable
-from ..shm.segment import ALIGN_BYTES, SEGMENT_HEADER, Segment, align_up
+from ..shm._segment import ALIGN_BYTES, SEGMENT_HEADER, Segment, align_up
 
 __all__ = ["QueueBase", "CLOSED_UPSTREAM_GONE", "QUEUE_META", "QUEUE_ROW", "SLOT_HEADER",
            "SLOT_FIELDS", "message_crc", "bell_name", "remove_semaphores"]

@@ -1,7 +1,7 @@
 """A writer's Channel published to other nodes over ZeroMQ: one relay per node writes into
 that node's own store and re-broadcasts the handles locally.
 
-    node.py        Relay (a node's side), the protocol and its scenarios
+    _node.py       Relay (a node's side), the protocol and its scenarios
     _publisher.py  Publisher (the writer's side)
     _state.py      what a Publisher knows of each node, and its stats snapshots
     _peer.py       CurveZMQ keys, endpoint checks, the socket thread both sides share
@@ -10,7 +10,7 @@ that node's own store and re-broadcasts the handles locally.
 May import: errors, handle, _proc, shm, serde, store, queue.
 """
 
-from .node import (
+from ._node import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,
     DEFAULT_WINDOW,

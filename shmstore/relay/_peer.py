@@ -1,4 +1,4 @@
-"""What both ends of the relay share (relay/node.py has the protocol): CurveZMQ keys, the address
+"""What both ends of the relay share (relay/_node.py has the protocol): CurveZMQ keys, the address
 and argument checks, the defaults, and Peer (the ZeroMQ context, socket and serve thread)."""
 
 from __future__ import annotations

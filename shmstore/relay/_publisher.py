@@ -1,4 +1,4 @@
-"""The Publisher: the writer's side of the relay (relay/node.py has the protocol and scenarios)."""
+"""The Publisher: the writer's side of the relay (relay/_node.py has the protocol and scenarios)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from ..errors import (
     WriterGone,
 )
 from ..handle import Handle
-from ..queue.channel import Channel, ChannelReader, RawMessage
-from ..serde.codec import dumps
+from ..queue._channel import Channel, ChannelReader, RawMessage
+from ..serde._codec import dumps
 from ._peer import (
     DEFAULT_MAX_NODES,
     DEFAULT_WINDOW,
@@ -60,7 +60,7 @@ log = logging.getLogger("shmstore.relay")
 
 
 class Publisher(Peer):
-    """Forwards every message of one Channel to the relays of other nodes (see relay/node.py's module doc).
+    """Forwards every message of one Channel to the relays of other nodes (see relay/_node.py's module doc).
 
     It is reader `reader` of channel `channel` (created with one reader more than the local
     ones) and binds `bind`. Run `serve()` (blocks until the channel ends, the writer dies, or

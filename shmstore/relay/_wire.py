@@ -1,9 +1,9 @@
-"""What a Publisher and its relays say to each other over ZeroMQ (relay/node.py).
+"""What a Publisher and its relays say to each other over ZeroMQ (relay/_node.py).
 
 The publisher binds one ROUTER socket; each relay connects one DEALER socket with a random
 routing id per connection, so a restarted or reconnected relay is a new peer. A ZeroMQ message
 is a msgpack header `[kind, fields...]`, plus for INLINE and OBJECT one more frame: the value's
-serde body (serde/codec.py), the bytes a Channel stores, decoded and checked by the relay like any
+serde body (serde/_codec.py), the bytes a Channel stores, decoded and checked by the relay like any
 bytes from shared memory. No pickle; a message that does not parse is dropped (ProtocolError).
 
     kind       from       fields                                  frame 2

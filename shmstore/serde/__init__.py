@@ -2,7 +2,7 @@
 written straight into shared memory; no pickle, and the decoder accepts exactly what the
 encoder can produce.
 
-    codec.py      encode / decode, dumps / loads, Blank, Verbatim
+    _codec.py     encode / decode, dumps / loads, Blank, Verbatim
     _decode.py    the checked decoder
     _types.py     the extension type codes both sides share
 

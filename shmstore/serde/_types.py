@@ -1,4 +1,4 @@
-"""The serializer's wire constants and dtype tables (serde/codec.py draws the layout)."""
+"""The serializer's wire constants and dtype tables (serde/_codec.py draws the layout)."""
 
 from __future__ import annotations
 

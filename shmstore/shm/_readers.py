@@ -10,7 +10,7 @@ Row head (little-endian; the row is `row_bytes`, a multiple of 64)::
     0       8     owner      u64, generation << 32 | pid. pid 0: nobody holds the row;
                              generation 0: nobody ever attached; +1 on every attach
     8       8     ready_ns   u64, time.time_ns() when the holder finished attaching; 0 before
-    16      ...   layer words (store/object_store.py, broadcast.py)
+    16      ...   layer words (store/_object_store.py, broadcast.py)
 
 What the writer concludes from a row (one atomic load of `owner`, so never a half-written
 state):

@@ -1,8 +1,8 @@
 """The object store: put/reserve/get/view keyed by hash, hand-out accounting and the reclaim
 loop, on one ring.
 
-    object_store.py  ObjectStore.create / attach, StoreReader
-    writer.py        StoreWriter: a facade over the parts below, which each own their state;
+    _object_store.py ObjectStore.create / attach, StoreReader
+    _writer.py       StoreWriter: a facade over the parts below, which each own their state;
                      Lender: chunks lent to another process (WriterHost's alone)
     _index.py        the writer's records: Entry, by key and by chunk seq
     _space.py        where the next object goes: reclaim, copy forward, wait for readers
@@ -10,10 +10,10 @@ loop, on one ring.
     _ledger.py       the writer's reading of the reader rows: reads owed, readers inside
     _base.py         what writer and readers share: StoreBase, StoreStats
     _layout.py       the binary layouts of the store's meta area, reader rows and objects
-    policy.py        eviction policies: plain values in, a decision out
+    _policy.py       eviction policies: plain values in, a decision out
     _api.py          WriterAPI: the one interface StoreWriter and RemoteWriter meet
-    host.py          WriterHost: one writer served to other processes of its user
-    remote.py        RemoteWriter: that writer called from another process
+    _host.py         WriterHost: one writer served to other processes of its user
+    _remote.py       RemoteWriter: that writer called from another process
     _wire.py         what host and remote say: framing and the one table of operations
 
 May import: errors, handle, _proc, shm, serde.

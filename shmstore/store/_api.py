@@ -3,7 +3,7 @@
 Two implementations meet it: StoreWriter (this process created the store) and RemoteWriter
 (another process of the same user writes through the creator's WriterHost). The queue, the
 caches and the vLLM plugin program against WriterAPI; mypy checks both classes against it
-(writer.py and remote.py) and tests/store/test_writer_api.py compares their signatures.
+(_writer.py and _remote.py) and tests/store/test_writer_api.py compares their signatures.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from ..errors import IncompatibleSegment, InvalidHandle, StaleHandle
 from ..handle import Handle
 from ..shm._closeable import CallGuard, Closeable
 from ..shm._readers import ReaderTable
-from ..shm.ring import ShmRingBuffer
-from ..shm.segment import SEGMENT_HEADER
+from ..shm._ring import ShmRingBuffer
+from ..shm._segment import SEGMENT_HEADER
 from ._layout import STORE_META, STORE_ROW, object_header_bytes
-from .policy import POLICY_IDS
+from ._policy import POLICY_IDS
 
 __all__ = ["StoreBase", "StoreStats"]
 

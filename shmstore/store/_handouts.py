@@ -1,5 +1,5 @@
 """The writer's hand-outs: numbering them, giving them back, narrowing them to some readers,
-ending them, and withdrawing their objects (store/writer.py has the picture of hand-outs and
+ending them, and withdrawing their objects (store/_writer.py has the picture of hand-outs and
 reads, and the exception-safety rules every method here keeps). HandOuts owns the hand-out
 sequence; StoreWriter holds the guard of every call.
 """

@@ -1,12 +1,12 @@
 """The writer's records of its objects: one Entry each, found by key and by chunk seq (the
-writer's own memory; store/writer.py has the exception-safety rules every change keeps)."""
+writer's own memory; store/_writer.py has the exception-safety rules every change keeps)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..handle import Handle, check_key
-from ..shm.ring import Chunk
+from ..shm._ring import Chunk
 
 __all__ = ["Entry", "Index"]
 

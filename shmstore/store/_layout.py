@@ -59,7 +59,7 @@ from __future__ import annotations
 import struct
 
 from ..shm._readers import ROW_HEAD_BYTES
-from ..shm.segment import ALIGN_BYTES, align_up
+from ..shm._segment import ALIGN_BYTES, align_up
 
 __all__ = ["STORE_META", "OBJECT_HEADER", "STORE_ROW", "object_header_bytes", "counter_offset"]
 

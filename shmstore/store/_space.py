@@ -1,5 +1,5 @@
 """Where the store writer's next object goes: reclaiming, copying forward and dropping old
-objects (store/writer.py has the picture and the exception-safety rules).
+objects (store/_writer.py has the picture and the exception-safety rules).
 
 The oldest chunk goes when no attached reader owes a read on it and none is inside it (pins);
 the policy may copy a hit object forward instead; a damaged object that blocks the writer is
@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from ..errors import StoreFull
 from ..handle import Handle
+from ..shm._ring import Chunk, RingWriter
 from ..shm._wait import Deadline, wait_until
-from ..shm.ring import Chunk, RingWriter
 from ._index import Entry, Index
 from ._layout import OBJECT_HEADER
 from ._ledger import ReaderLedger
-from .policy import EvictionPolicy
+from ._policy import EvictionPolicy
 
 __all__ = ["Space"]
 

@@ -1,4 +1,4 @@
-"""What a RemoteWriter and its WriterHost say to each other (store/host.py has the picture).
+"""What a RemoteWriter and its WriterHost say to each other (store/_host.py has the picture).
 
 A frame is a u32 length and a msgpack array, at most MAX_FRAME_BYTES. One table, OPS, names
 every operation, the arguments it carries and whether a client may post it (send it without

@@ -24,12 +24,12 @@ from typing import Any
 
 from .._proc import env_seconds, env_switch
 from ..errors import InvalidArgument
-from ..shm.segment import peek_header
+from ..shm._segment import peek_header
 from ..store._api import WriterAPI
-from ..store.host import WriterHost
-from ..store.object_store import ObjectStore, StoreWriter
-from ..store.policy import DEFAULT_POLICY
-from ..store.remote import RemoteWriter
+from ..store._host import WriterHost
+from ..store._object_store import ObjectStore, StoreWriter
+from ..store._policy import DEFAULT_POLICY
+from ..store._remote import RemoteWriter
 from ._env import (
     ALLOW_ENV,
     INSECURE_ENV,

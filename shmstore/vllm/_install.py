@@ -14,7 +14,7 @@ import time
 
 from .._proc import pid_alive, proc_stat
 from ..errors import ShmStoreError
-from ..shm.segment import Segment, peek_header
+from ..shm._segment import Segment, peek_header
 from ._deployment import Deployment
 from ._env import LOG_NAME
 from ._hooks import install_request_hooks

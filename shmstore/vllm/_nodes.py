@@ -1,5 +1,5 @@
 """The vLLM plugin across nodes: a tensor-parallel group whose workers span machines (vLLM's
-`--nnodes N`), fed by shmstore's relay (relay/node.py). Imported only inside vLLM.
+`--nnodes N`), fed by shmstore's relay (relay/_node.py). Imported only inside vLLM.
 
     head node (node rank 0)                                  node k (vllm serve --headless)
     API process: sender cache                                `shmstore relay connect ...`
@@ -43,7 +43,7 @@ from ..errors import (
     WriterGone,
 )
 from ..handle import Handle, key_digest
-from ..queue.channel import Channel, ChannelReader, ChannelWriter
+from ..queue._channel import Channel, ChannelReader, ChannelWriter
 from ._env import LOG_NAME, PUBLISH_ENV
 
 __all__ = ["HeadPublisher", "NodeFeed", "FEED_ERRORS"]

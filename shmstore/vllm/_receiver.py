@@ -19,7 +19,7 @@ from ..errors import (
     StaleHandle,
 )
 from ..handle import key_digest
-from ..store.object_store import ObjectStore, StoreReader
+from ..store._object_store import ObjectStore, StoreReader
 from ._deployment import Deployment, local_rank
 from ._env import LOG_NAME
 from ._items import (

@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..handle import Handle
 from ..store._api import WriterAPI
-from ..store.host import MAX_KEYS
+from ..store._host import MAX_KEYS
 from ._deployment import Deployment, open_writer
 from ._env import LOG_NAME
 from ._items import (
@@ -103,7 +103,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     @property
     def publisher(self) -> Any:
-        """The relay Publisher of a TP group across nodes (shmstore.relay.node.Publisher), else None."""
+        """The relay Publisher of a TP group across nodes (shmstore.relay._node.Publisher), else None."""
         return None if self._head is None else self._head.publisher
 
     def _is_touched(self, handle: Handle) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmstore.cache.caches import (
+from shmstore.cache._caches import (
     CACHE_KINDS,
     PAYLOAD_HANDLE,
     PAYLOAD_VALUE,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shmstore.cache.hashing import mm_hash
+from shmstore.cache._hashing import mm_hash
 from shmstore.errors import InvalidArgument, NotSerializable
 
 SAMPLES = [
@@ -67,7 +67,7 @@ def test_non_contiguous_arrays_hash_like_their_contents() -> None:
 
 
 def test_same_hash_in_another_process() -> None:
-    code = ("import numpy as np; from shmstore.cache.hashing import mm_hash; "
+    code = ("import numpy as np; from shmstore.cache._hashing import mm_hash; "
             "print(mm_hash({'px': np.arange(6, dtype=np.float32)}, model='llava', size=336))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={"PYTHONHASHSEED": "123", "PATH": ""}, check=True)

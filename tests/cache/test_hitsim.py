@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmstore.cache.hitsim import (
+from shmstore.cache._hitsim import (
     SIM_KINDS,
     make_sim,
     real_hits,
@@ -17,7 +17,7 @@ from shmstore.cache.hitsim import (
     route_index,
     working_set_bytes,
 )
-from shmstore.store.policy import FreqPolicy, make_policy
+from shmstore.store._policy import FreqPolicy, make_policy
 from tests._names import InvalidArgument, ObjectStore, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

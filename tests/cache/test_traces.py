@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shmstore.cache.hitsim import working_set_bytes
+from shmstore.cache._hitsim import working_set_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from traces import PREPROCESSOR_BYTES, TraceSpec, make_trace

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shmstore.cache.caches import CACHE_KINDS
-from shmstore.cli.demo import CLIP_MEAN, CLIP_STD, CROP, n_tiles, preprocess_numpy, request_stream
+from shmstore.cache._caches import CACHE_KINDS
+from shmstore.cli._demo import CLIP_MEAN, CLIP_STD, CROP, n_tiles, preprocess_numpy, request_stream
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

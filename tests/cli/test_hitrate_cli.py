@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmstore.cache.hitsim import SIM_KINDS, replay, replay_split, route_index
+from shmstore.cache._hitsim import SIM_KINDS, replay, replay_split, route_index
+from shmstore.cli._hitrate import TraceError, parse_budgets, read_trace
 from shmstore.cli._traces import ORACLE_GENERAL
-from shmstore.cli.hitrate import TraceError, parse_budgets, read_trace
 
 TRACE = [(f"img-{k}", 1000 + 37 * (k % 11)) for k in
          (np.random.default_rng(3).zipf(1.3, 3000) % 400)]

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from shmstore.queue.broadcast import (
+from shmstore.queue._broadcast import (
     QUEUE_META,
     QUEUE_ROW,
     ROW_READ_SEQ,

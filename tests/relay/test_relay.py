@@ -1,4 +1,4 @@
-"""The relay (relay/node.py, relay/_wire.py) in one process: Publisher and Relays in threads, on localhost.
+"""The relay (relay/_node.py, relay/_wire.py) in one process: Publisher and Relays in threads, on localhost.
 
 Scenarios of the module doc: bodies once per node, REF on hits, NEED after a node evicted,
 LOST after a clear, joining and leaving nodes, END and GONE; the wire format's checks; the
@@ -48,7 +48,7 @@ from shmstore.relay._wire import (
     pack,
     parse,
 )
-from shmstore.serde.codec import BODY_HEADER, BODY_MAGIC
+from shmstore.serde._codec import BODY_HEADER, BODY_MAGIC
 from tests.conftest import new_name
 
 pytestmark = pytest.mark.timeout(60)

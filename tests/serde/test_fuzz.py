@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmstore.serde.codec import decode, dumps
+from shmstore.serde._codec import decode, dumps
 from tests._names import (
     BroadcastQueue,
     CorruptObject,

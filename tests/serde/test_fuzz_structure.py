@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmstore.serde.codec import (
+from shmstore.serde._codec import (
     BODY_HEADER,
     BODY_MAGIC,
     BUFFER_ALIGN_BYTES,

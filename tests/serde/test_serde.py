@@ -14,16 +14,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmstore.serde._decode import check_body
-from shmstore.serde._types import NUMPY_DTYPES as ALL_NUMPY_DTYPES
-from shmstore.serde._types import TORCH_DTYPE_NAMES, TORCH_ITEMSIZES
-from shmstore.serde.codec import (
+from shmstore.serde._codec import (
     BODY_HEADER,
     BUFFER_ENTRY,
     EXT_NDARRAY,
     EXT_TENSOR,
     Verbatim,
 )
+from shmstore.serde._decode import check_body
+from shmstore.serde._types import NUMPY_DTYPES as ALL_NUMPY_DTYPES
+from shmstore.serde._types import TORCH_DTYPE_NAMES, TORCH_ITEMSIZES
 from tests._names import CorruptObject, Handle, NotSerializable, decode, dumps, encode, loads
 
 NUMPY_DTYPES = sorted({dt.name for dt in ALL_NUMPY_DTYPES.values()})
@@ -290,7 +290,7 @@ def test_checking_a_body_with_tensors_imports_nothing() -> None:
     machine, and a relay that stalls that long misses its heartbeats and is dropped."""
     body = dumps({"t": torch.arange(6, dtype=torch.bfloat16).view(2, 3),
                   "a": np.ones(4, dtype=np.float32)})
-    script = ("import sys; from shmstore.serde.codec import Verbatim; "
+    script = ("import sys; from shmstore.serde._codec import Verbatim; "
               "v = Verbatim(memoryview(sys.stdin.buffer.read())); "
               "print(v.nbytes, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", script], input=body, capture_output=True,

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shmstore.shm.ring import CHUNK_HEADER
-from shmstore.shm.segment import ALIGN_BYTES
+from shmstore.shm._ring import CHUNK_HEADER
+from shmstore.shm._segment import ALIGN_BYTES
 from tests._names import (
     CorruptObject,
     InvalidArgument,

@@ -14,7 +14,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from shmstore.shm.segment import (
+from shmstore.shm._segment import (
     KIND_QUEUE,
     KIND_RING,
     LAYOUT_VERSION,
@@ -68,7 +68,7 @@ def test_attach_from_an_unrelated_process_by_name_only(name: str) -> None:
     with Segment.create(name, kind=KIND_RING, capacity_bytes=4096) as seg:
         seg.buf[seg.data_offset:seg.data_offset + 5] = b"hello"
         code = (
-            "import sys; from shmstore.shm.segment import Segment, KIND_RING; "
+            "import sys; from shmstore.shm._segment import Segment, KIND_RING; "
             f"s = Segment.attach({name!r}, kind=KIND_RING); "
             "sys.stdout.write(bytes(s.buf[s.data_offset:s.data_offset + 5]).decode()); s.close()"
         )
@@ -88,7 +88,7 @@ def test_second_create_names_the_live_writer(name: str) -> None:
 
 def _leave_stale(name: str) -> None:
     code = (
-        "from shmstore.shm.segment import Segment, KIND_RING; "
+        "from shmstore.shm._segment import Segment, KIND_RING; "
         f"Segment.create({name!r}, kind=KIND_RING, capacity_bytes=4096)"  # exits without unlink
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmstore.cache.hitsim import RingSim, make_sim
-from shmstore.store.policy import (
+from shmstore.cache._hitsim import RingSim, make_sim, working_set_bytes
+from shmstore.store._policy import (
     DEFAULT_POLICY,
     POLICY_IDS,
     AdaptivePolicy,
@@ -20,7 +20,7 @@ from shmstore.store.policy import (
 from tests._names import ObjectStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from traces import make_family, working_set_bytes
+from traces import make_family
 
 KIB = 1024
 

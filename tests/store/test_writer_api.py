@@ -11,9 +11,9 @@ import pytest
 
 from shmstore.store import _wire
 from shmstore.store._api import WriterAPI
-from shmstore.store.host import WriterHost
-from shmstore.store.remote import RemoteWriter
-from shmstore.store.writer import StoreWriter
+from shmstore.store._host import WriterHost
+from shmstore.store._remote import RemoteWriter
+from shmstore.store._writer import StoreWriter
 from tests._names import InvalidKey, ObjectStore, StaleHandle
 
 MEMBERS = [n for n in dir(WriterAPI) if not n.startswith("_") or n == "__len__"]

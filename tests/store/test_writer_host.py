@@ -14,10 +14,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmstore.store import _wire, remote
-from shmstore.store import host as writer_host
-from shmstore.store.host import WriterHost, host_address
-from shmstore.store.remote import RemoteWriter
+from shmstore.store import _host as writer_host
+from shmstore.store import _remote as remote
+from shmstore.store import _wire
+from shmstore.store._host import WriterHost, host_address
+from shmstore.store._remote import RemoteWriter
 from tests._names import (
     Closed,
     InvalidArgument,

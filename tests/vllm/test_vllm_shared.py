@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from vllm.multimodal.cache import factories  # noqa: E402
 
-from shmstore.store.remote import RemoteWriter  # noqa: E402
+from shmstore.store._remote import RemoteWriter  # noqa: E402
 from shmstore.vllm import _install  # noqa: E402
 from shmstore.vllm._items import handle_from_item, handout_number  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402

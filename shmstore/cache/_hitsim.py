@@ -2,7 +2,7 @@
 
 A cache's hits depend on keys, sizes and the order of requests, never on the bytes. RingSim
 replays the shm store's ring (the same placement rule, `ring.place_chunk`, and the same policy
-objects, `store/policy.py`) as the store runs it when every reader is done with each object before
+objects, `store/_policy.py`) as the store runs it when every reader is done with each object before
 the next request; LruSim replays the mirrored LRU with the cache's own LRU. `replay` runs
 both on one trace at several budgets. `tests/test_hitsim.py` and `shmstore hitrate --verify`
 check request by request that they agree with the real caches.
@@ -24,11 +24,11 @@ from typing import Any
 
 from .._proc import int_arg
 from ..errors import CorruptObject, InvalidArgument
-from ..shm.ring import RingWriter
-from ..shm.segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
+from ..shm._ring import RingWriter
+from ..shm._segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
 from ..store._layout import object_header_bytes
-from ..store.policy import EvictionPolicy, RingReplay, make_policy
-from .caches import CACHE_KINDS, ReceiverCache, SenderCache, _LruBytes
+from ..store._policy import EvictionPolicy, RingReplay, make_policy
+from ._caches import CACHE_KINDS, ReceiverCache, SenderCache, _LruBytes
 
 __all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "replay_split", "route_index",
            "real_hits", "SIM_KINDS", "working_set_bytes", "write_csv"]

@@ -78,9 +78,9 @@ from ..errors import (
     StoreFull,
     Timeout,
 )
-from ..queue.channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelWriter
-from ..serde.codec import Encoded, Verbatim
-from ..store.policy import DEFAULT_POLICY
+from ..queue._channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelWriter
+from ..serde._codec import Encoded, Verbatim
+from ..store._policy import DEFAULT_POLICY
 from ._peer import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,

@@ -42,11 +42,11 @@ from typing import Any
 from .._proc import int_arg
 from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StoreFull
 from ..handle import check_key
-from ..serde.codec import encode, materialize
+from ..serde._codec import encode, materialize
 from ..shm._closeable import Closeable
-from ..shm.segment import MAX_CAPACITY_BYTES
-from ..store.object_store import ObjectStore, StoreReader, StoreWriter
-from ..store.policy import DEFAULT_POLICY, POLICIES
+from ..shm._segment import MAX_CAPACITY_BYTES
+from ..store._object_store import ObjectStore, StoreReader, StoreWriter
+from ..store._policy import DEFAULT_POLICY, POLICIES
 
 __all__ = ["CACHE_KINDS", "DEFAULT_KIND", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
            "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.caches import CACHE_KINDS, DEFAULT_KIND, PAYLOAD_HANDLE, ReceiverCache, SenderCache
-from ..cache.hashing import mm_hash
+from ..cache._caches import CACHE_KINDS, DEFAULT_KIND, PAYLOAD_HANDLE, ReceiverCache, SenderCache
+from ..cache._hashing import mm_hash
 from ..errors import Closed
-from ..queue.channel import Channel
-from ..serde.codec import Blank
+from ..queue._channel import Channel
+from ..serde._codec import Blank
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)

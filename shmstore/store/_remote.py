@@ -1,6 +1,6 @@
 """RemoteWriter: a store's writer called from another process through its WriterHost.
 
-host.py has the picture, the framing and the limits; a RemoteWriter offers the writer's calls a
+_host.py has the picture, the framing and the limits; a RemoteWriter offers the writer's calls a
 second API server needs, each one a request and (unless posted) a reply.
 """
 
@@ -21,11 +21,12 @@ from ..errors import (
     ShmStoreError,
 )
 from ..handle import Handle, check_key
-from ..serde.codec import Encoded, encode
+from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
+from ..shm._ring import ShmRingBuffer
+from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline
-from ..shm.ring import ShmRingBuffer
-from ..shm.segment import ALIGN_BYTES
+from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid
 from ._wire import (
     ERRORS,
     MAX_KEYS,
@@ -36,7 +37,6 @@ from ._wire import (
     request,
     send_frame,
 )
-from .host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid
 
 __all__ = ["RemoteWriter"]
 

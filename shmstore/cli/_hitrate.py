@@ -3,7 +3,7 @@
     shmstore hitrate requests.csv [--budgets 1%,5%,10%,25%] [--workers 8] [--target 0.6]
 
 Reads the trace (below), replays it through every cache kind at every budget on metadata
-alone (cache/hitsim.py: the same ring, policies and LRU as the real caches; a progress bar on
+alone (cache/_hitsim.py: the same ring, policies and LRU as the real caches; a progress bar on
 stderr), checks a sample request by request against the real caches in shared memory
 (`--verify N`, scaled down), prints a table, writes hitrate.csv and hitrate.png into --out,
 and ends with a recommendation: the kind and budget that reach the target hit ratio, and the
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.hitsim import (
+from ..cache._hitsim import (
     SIM_KINDS,
     SimStats,
     make_sim,
@@ -259,7 +259,7 @@ def verify(sample: Trace, kinds: list[str], fractions: list[float],
     hitsim at each budget, given as a fraction of the sample's working set (so that the sample
     fills the cache), sizes divided so that no segment exceeds `max_segment`; say that every
     request agreed. Raises AssertionError if one did not (a bug: please report it)."""
-    from ..serde.codec import encode
+    from ..serde._codec import encode
 
     working_set = working_set_bytes(sample)
     largest = max(n for _, n in sample)  # every item, and every cache, under max_segment

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from .._proc import pid_alive
-from ..shm.segment import KIND_NAMES, MAGIC, MAKING_MAGIC, SEGMENT_HEADER, SHM_DIR
+from ..shm._segment import KIND_NAMES, MAGIC, MAKING_MAGIC, SEGMENT_HEADER, SHM_DIR
 from ._units import format_age, format_size
 
 
@@ -66,15 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Shared-memory object store and caches for multimodal LLM serving."))
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="a frontend and N workers sharing image tensors")
-    from .demo import add_arguments
+    from ._demo import add_arguments
 
     add_arguments(demo)
     hitrate = commands.add_parser("hitrate", help="hit ratios of every cache kind on your trace")
-    from .hitrate import add_arguments as hitrate_arguments
+    from ._hitrate import add_arguments as hitrate_arguments
 
     hitrate_arguments(hitrate)
     relay = commands.add_parser("relay", help="readers on other nodes: serve, connect, keygen")
-    from .relay import add_arguments as relay_arguments
+    from ._relay import add_arguments as relay_arguments
 
     relay_arguments(relay)
     commands.add_parser("ls", help="list shmstore segments in /dev/shm with owner, size and age")
@@ -103,8 +103,8 @@ def cmd_ls() -> int:
 
 def remove(name: str) -> str:
     """Remove one dead segment (and a queue's semaphores); return what happened."""
-    from ..queue.broadcast import remove_semaphores
-    from ..shm.segment import KIND_QUEUE, Segment
+    from ..queue._broadcast import remove_semaphores
+    from ..shm._segment import KIND_QUEUE, Segment
 
     info = next((i for i in list_segments() if i.name == name), None)
     if info is None:
@@ -138,15 +138,15 @@ def cmd_gc() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import main as demo_main
+        from ._demo import main as demo_main
 
         return demo_main(args)
     if args.command == "hitrate":
-        from .hitrate import main as hitrate_main
+        from ._hitrate import main as hitrate_main
 
         return hitrate_main(args)
     if args.command == "relay":
-        from .relay import main as relay_main
+        from ._relay import main as relay_main
 
         return relay_main(args)
     if args.command == "ls":

@@ -1,9 +1,9 @@
 """ObjectStore: objects keyed by content hash in one shared ring, read in place by N readers.
 
-The writer (`ObjectStore.create`, a StoreWriter, store/writer.py) puts objects and hands out
+The writer (`ObjectStore.create`, a StoreWriter, store/_writer.py) puts objects and hands out
 Handles; each reader (`ObjectStore.attach(name, reader=i)`, a StoreReader) reads them with `get`
 (owned copy) or `view` (zero copy). Layouts, and why a chunk under read is never reused:
-store/_layout.py. Delivery accounting and exception safety: store/writer.py. Reader rows and
+store/_layout.py. Delivery accounting and exception safety: store/_writer.py. Reader rows and
 liveness: shm/_readers.py.
 
 A reader that finds an object damaged (its structure fails its CRC, or its sizes do not fit)
@@ -23,11 +23,11 @@ from typing import Any
 from .._proc import int_arg
 from ..errors import CorruptObject, InvalidArgument, StaleHandle
 from ..handle import Handle
-from ..serde.codec import decode
+from ..serde._codec import decode
 from ..shm._closeable import CallGuard
 from ..shm._readers import MAX_READERS
-from ..shm.ring import RingWriter, ShmRingBuffer
-from ..shm.segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
+from ..shm._ring import RingWriter, ShmRingBuffer
+from ..shm._segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
 from ._base import StoreBase, StoreStats
 from ._layout import (
     COUNT_MASK,
@@ -46,8 +46,8 @@ from ._layout import (
     counter_offset,
     object_header_bytes,
 )
-from .policy import RING_POLICY, make_policy
-from .writer import StoreWriter
+from ._policy import RING_POLICY, make_policy
+from ._writer import StoreWriter
 
 __all__ = ["ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "StoredBody", "MAX_READERS"]
 

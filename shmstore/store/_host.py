@@ -1,6 +1,6 @@
 """One store, several writing processes: the writer's process lends its writer to others.
 
-A store has one writer (store/writer.py): its key index, hand-out records and ring state live
+A store has one writer (store/_writer.py): its key index, hand-out records and ring state live
 in that process. Other processes of the same user on the machine (several API servers of one
 inference server) share the store through the WriterHost the writer's process runs::
 
@@ -19,7 +19,7 @@ a u32 length and a msgpack array, at most MAX_FRAME_BYTES; a frame that is not a
 host knows closes that connection (logged) and nothing else. A lent chunk whose client goes
 away before `commit` is given back to the ring.
 
-Every RemoteWriter call (remote.py) takes the host's lock, so the host's own thread and every client see
+Every RemoteWriter call (_remote.py) takes the host's lock, so the host's own thread and every client see
 one writer operation at a time.
 """
 
@@ -38,7 +38,7 @@ from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
 from ..handle import Handle
 from ..shm._closeable import Closeable
 from ._wire import MAX_KEYS, PROTOCOL, handle_to_wire, parse_request, recv_frame, send_frame
-from .writer import Lender, StoreWriter
+from ._writer import Lender, StoreWriter
 
 __all__ = ["WriterHost", "host_address", "peer_uid", "MAX_KEYS"]
 

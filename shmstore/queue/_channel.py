@@ -27,13 +27,13 @@ from typing import Any
 from .._proc import int_arg
 from ..errors import CorruptObject, SegmentClosed, ShmStoreError
 from ..handle import Handle
-from ..serde.codec import Encoded, encode
+from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
+from ..shm._segment import validate_name
 from ..shm._wait import Deadline
-from ..shm.segment import validate_name
-from ..store.object_store import ObjectStore, StoredBody, StoreReader, StoreWriter
-from ..store.writer import Reservation
-from .broadcast import BroadcastQueue, QueueReader, QueueWriter
+from ..store._object_store import ObjectStore, StoredBody, StoreReader, StoreWriter
+from ..store._writer import Reservation
+from ._broadcast import BroadcastQueue, QueueReader, QueueWriter
 
 __all__ = ["Channel", "ChannelWriter", "ChannelReader", "RawMessage", "TAG_INLINE", "TAG_HANDLE"]
 

@@ -1,6 +1,6 @@
-"""`shmstore relay serve|connect|keygen`: the relay's command line (relay/node.py does the work).
+"""`shmstore relay serve|connect|keygen`: the relay's command line (relay/_node.py does the work).
 
-Kept apart from relay/node.py so that building the CLI parser does not import ZeroMQ.
+Kept apart from relay/_node.py so that building the CLI parser does not import ZeroMQ.
 """
 
 from __future__ import annotations

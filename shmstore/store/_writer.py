@@ -1,4 +1,4 @@
-"""StoreWriter: the single writer of an object store (see store/object_store.py for the whole picture).
+"""StoreWriter: the single writer of an object store (see store/_object_store.py for the whole picture).
 
 Delivery without locks: the writer records, in its own memory, each hand-out of an object (put
 once, then once per get_cached, minus give_back), numbered by a store-wide hand-out sequence.
@@ -40,19 +40,19 @@ from ..errors import (
     WrongThread,
 )
 from ..handle import Handle, check_key, key_digest
-from ..serde.codec import Encoded, blank_key, encode
+from ..serde._codec import Encoded, blank_key, encode
 from ..shm._closeable import CallGuard
 from ..shm._readers import Liveness
+from ..shm._ring import RingWriter
+from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline, wait_until
-from ..shm.ring import RingWriter
-from ..shm.segment import ALIGN_BYTES
 from ._base import StoreBase, StoreStats
 from ._handouts import HandOuts
 from ._index import Entry, Index
 from ._layout import META_HANDOUT_SEQ, OBJECT_HEADER, ROW_CORRUPT_READS, U64
 from ._ledger import ReaderLedger
+from ._policy import EvictionPolicy
 from ._space import Space
-from .policy import EvictionPolicy
 
 __all__ = ["StoreWriter", "Reservation", "Lender"]
 
@@ -551,7 +551,7 @@ class StoreWriter(StoreBase):
 
 class Lender:
     """Chunks of one writer lent to another process, which writes an object's body straight
-    into shared memory (store/host.py): `begin` makes room and writes the object header,
+    into shared memory (store/_host.py): `begin` makes room and writes the object header,
     `commit` publishes the object, `abandon` gives the room back. Only a WriterHost holds
     one, per client connection, and calls it with the host's lock held; close() gives back
     what is still lent (the client went away)."""

@@ -1,6 +1,6 @@
 """BroadcastQueue: one writer, N readers; every reader gets every message, in order.
 
-`BroadcastQueue.create` makes a queue and returns its QueueWriter (queue/writer.py);
+`BroadcastQueue.create` makes a queue and returns its QueueWriter (queue/_writer.py);
 `BroadcastQueue.attach` returns a QueueReader (here). The binary layout, the attach protocol and
 the damage rules are drawn in queue/_layout.py.
 """
@@ -14,11 +14,11 @@ from typing import Any
 
 from .._proc import int_arg, pid_alive
 from ..errors import Closed, CorruptObject, Timeout, WriterGone
-from ..serde.codec import decode
+from ..serde._codec import decode
 from ..shm._closeable import CallGuard
 from ..shm._readers import MAX_READERS, check_reader_index
+from ..shm._segment import ALIGN_BYTES, KIND_QUEUE, SEGMENT_HEADER, Segment, align_up, peek_header
 from ..shm._wait import Deadline, Doorbell, wait_until
-from ..shm.segment import ALIGN_BYTES, KIND_QUEUE, SEGMENT_HEADER, Segment, align_up, peek_header
 from ._layout import (
     CLOSED_UPSTREAM_GONE,
     DEFAULT_SPIN_S,
@@ -40,7 +40,7 @@ from ._layout import (
     message_crc,
     remove_semaphores,
 )
-from .writer import QueueWriter
+from ._writer import QueueWriter
 
 __all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "QUEUE_ROW",
            "SLOT_HEADER", "ROW_READ_SEQ", "ROW_SLEEPING", "META_WRITE_SEQ", "remove_semaphores"]

@@ -33,7 +33,7 @@ never the writer.
 
 Freeing is two steps: `tombstone` zeroes the chunk's seq word (a full-barrier exchange, so new
 reads of its handles fail), then `pop_oldest` gives the bytes back once the layer above has made
-sure no reader is still inside the chunk (store/object_store.py: reader pins).
+sure no reader is still inside the chunk (store/_object_store.py: reader pins).
 
 Who may call what: the writer (from `create`) allocates, tombstones and pops; anyone reads
 headers with `header` and payloads with `payload_view`. A payload memoryview stays valid until
@@ -50,7 +50,7 @@ from typing import Any
 from .._proc import int_arg
 from ..errors import CorruptObject, SegmentClosed, StaleHandle, StoreFull
 from ._closeable import Closeable
-from .segment import ALIGN_BYTES, KIND_RING, MAX_CAPACITY_BYTES, SEGMENT_HEADER, Segment, align_up
+from ._segment import ALIGN_BYTES, KIND_RING, MAX_CAPACITY_BYTES, SEGMENT_HEADER, Segment, align_up
 
 __all__ = ["ShmRingBuffer", "RingWriter", "ChunkHeader", "Chunk", "CHUNK_HEADER", "CHUNK_SEQ",
            "place_chunk"]
@@ -333,7 +333,7 @@ def place_chunk(start: int, end: int, oldest: int | None, head: int,
                 chunk_bytes: int) -> int | None:
     """Where a chunk of `chunk_bytes` goes in the data area [start, end) whose live chunks run
     from the address `oldest` (None: no chunk) to `head`, or None if it does not fit yet. The
-    one placement rule, shared with the metadata replay (cache/hitsim.py)."""
+    one placement rule, shared with the metadata replay (cache/_hitsim.py)."""
     if oldest is None:
         return start if chunk_bytes <= end - start else None
     if head > oldest:  # live chunks run oldest..head: free space is [head, end) + [start, oldest)

@@ -3,7 +3,7 @@
 The store owns the bytes and the "reclaim the oldest until the new object fits" loop; when the
 oldest object is one that every reader is done with, it asks the policy whether to drop it or
 to keep it by copying it to the head. A policy never sees shared memory; it sees keys, a small
-use count per object, and sizes. `cache/hitsim.py` runs the same policies on metadata alone.
+use count per object, and sizes. `cache/_hitsim.py` runs the same policies on metadata alone.
 
     fifo      drop it (vLLM's shm cache behaves this way)
     reinsert  FIFO-reinsertion (CLOCK with one bit): keep an object that was handed out again
@@ -36,7 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 
 from ..errors import InvalidArgument
-from ..shm.ring import place_chunk
+from ..shm._ring import place_chunk
 
 __all__ = ["EvictionPolicy", "FifoPolicy", "ReinsertPolicy", "FreqPolicy", "RecencyPolicy",
            "AdaptivePolicy", "RingReplay", "POLICIES", "POLICY_IDS", "DEFAULT_POLICY", "RING_POLICY",

@@ -7,11 +7,11 @@ from typing import Any
 
 from .._proc import int_arg
 from ..errors import MessageTooLarge, Timeout
-from ..serde.codec import Encoded, encode
+from ..serde._codec import Encoded, encode
 from ..shm._closeable import CallGuard
 from ..shm._readers import ATTACHED, Liveness
+from ..shm._segment import ALIGN_BYTES, Segment
 from ..shm._wait import Deadline, Doorbell, wait_until
-from ..shm.segment import ALIGN_BYTES, Segment
 from ._layout import (
     CLOSED_UPSTREAM_GONE,
     MAX_TAG,
