@@ -13,31 +13,48 @@ inference server) share the store through the WriterHost the writer's process ru
                                                     the client copies the body straight into
                                                     it, `commit` publishes it (one copy)
 
-The socket is in Linux's abstract namespace (no file to clean up). The host accepts only
-peers of its own user id (SO_PEERCRED), and a client only a host of its own user id. Frames are
-a u32 length and a msgpack array, at most MAX_FRAME_BYTES; a frame that is not a request the
-host knows closes that connection (logged) and nothing else. A lent chunk whose client goes
-away before `commit` is given back to the ring.
+The socket is in Linux's abstract namespace (no file to clean up), under a name derived from
+the store's random epoch (host_address), which only the store's user can read: another user
+can neither predict it nor bind it first. The host accepts only peers of its own user id
+(SO_PEERCRED), and a client only a host of its own user id. _wire.py has the frames and the
+one table of operations; a frame that is not a request the host knows closes that connection
+(logged) and nothing else, and an argument the writer refuses is answered with its error. A
+lent chunk whose client goes away before `commit` is given back to the ring, also when the
+client's process died and a child it forked still holds the socket (the host checks the
+process that connected, while it lends). A RemoteWriter used in a forked child raises
+WrongProcess, and the child drops its copy of the socket at the fork.
 
-Every RemoteWriter call (_remote.py) takes the host's lock, so the host's own thread and every client see
-one writer operation at a time.
+Every RemoteWriter call (_remote.py) takes the host's lock, so the host's own thread and
+every client see one writer operation at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import select
 import socket
 import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._proc import pid_alive
 from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
 from ..handle import Handle
 from ..shm._closeable import Closeable
-from ._wire import MAX_KEYS, PROTOCOL, handle_to_wire, parse_request, recv_frame, send_frame
+from ._wire import (
+    MAX_FRAME_BYTES,
+    MAX_KEYS,
+    PROTOCOL,
+    error_reply,
+    handle_to_wire,
+    parse_request,
+    recv_frame,
+    send_frame,
+)
 from ._writer import Lender, StoreWriter
 
 __all__ = ["WriterHost", "host_address", "peer_uid", "MAX_KEYS"]
@@ -47,17 +64,27 @@ MAX_CLIENTS = 64  # connections one host serves at once
 MAX_LOANS = 16  # chunks one client may hold lent at once
 CONNECT_TIMEOUT_S = 30.0  # a client waits this long for the host to listen
 CALL_TIMEOUT_S = 60.0  # a reply slower than this means the host is stuck: the call fails
+PEER_CHECK_S = 1.0  # while a client holds lent chunks, how often the host checks it lives
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def host_address(name: str) -> str:
-    """The abstract socket name of the host of store `name` (no file in the filesystem)."""
-    return f"\0shmstore.writer.{os.getuid()}.{name}"
+def host_address(name: str, epoch: int) -> str:
+    """The abstract socket name (no file in the filesystem) of the host of store `name` whose
+    epoch is `epoch`. The epoch is random per create and stored in the segment, which only its
+    user can read (0600): another user can neither predict the name nor bind it first, and the
+    name has one length whatever the store's (a Linux socket name holds 107 bytes)."""
+    digest = hashlib.blake2b(f"{name}\0{epoch}".encode(), digest_size=16).hexdigest()
+    return f"\0shmstore.writer.{os.getuid()}.{digest}"
 
 
 def peer_uid(sock: socket.socket) -> int:
-    uid: int = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
-    return uid
+    return _peer(sock)[1]
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process that connected `sock` (SO_PEERCRED)."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return int(pid), int(uid)
 
 
 class WriterHost(Closeable):
@@ -77,7 +104,7 @@ class WriterHost(Closeable):
         self.post_errors = 0  # calls sent with wait=False that failed other than StaleHandle
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind(host_address(writer.name))
+            listener.bind(host_address(writer.name, writer.epoch))
         except OSError as exc:
             listener.close()
             raise InvalidArgument(
@@ -103,22 +130,26 @@ class WriterHost(Closeable):
                 sock, _ = listener.accept()
             except OSError:
                 return  # closed
-            if peer_uid(sock) != os.getuid() or len(self._clients) >= MAX_CLIENTS:
+            pid, uid = _peer(sock)
+            if uid != os.getuid() or len(self._clients) >= MAX_CLIENTS:
                 log.warning("shmstore: store %r refused a connection (another user, or %d "
                             "connections already)", self._writer.name, MAX_CLIENTS)
                 sock.close()
                 continue
             self._clients.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+            threading.Thread(target=self._serve, args=(sock, pid), daemon=True,
                              name=f"shmstore-host-{self._writer.name}-client").start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, pid: int) -> None:
         loans = Lender(self._writer)
         try:
             while not self._closing:
+                if len(loans) and not self._lender_alive(sock, pid, len(loans)):
+                    return
                 frame = recv_frame(sock)
                 if frame is None:
                     return
+                posted = isinstance(frame, list) and frame[:1] == ["post"]
                 try:
                     op, args, posted = parse_request(frame)
                     with self._lock:
@@ -126,20 +157,43 @@ class WriterHost(Closeable):
                 except ProtocolError:
                     raise
                 except (ShmStoreError, ValueError, TypeError, KeyError) as exc:
-                    if posted:  # frame[1] is a postable op: parse_request checked it
-                        self._post_failed(frame[1], exc)
+                    if posted:
+                        self._post_failed(str(frame[1])[:40], exc)
                         continue
-                    reply = [1, type(exc).__name__, str(exc)]
+                    reply = error_reply(exc)
                 if not posted:  # a call whose client does not wait gets no reply
-                    send_frame(sock, reply)
+                    self._reply(sock, reply)
         except (ProtocolError, OSError) as exc:
             if not self._closing:
                 log.warning("shmstore: store %r dropped a client: %s", self._writer.name, exc)
+        except Exception:  # a bug here: logged, and only this client is dropped
+            log.exception("shmstore: store %r: serving a client failed", self._writer.name)
         finally:
             with self._lock:
                 loans.close()  # what is still lent: orphans, freed when the ring reaches them
             self._clients.discard(sock)
             sock.close()
+
+    def _lender_alive(self, sock: socket.socket, pid: int, lent: int) -> bool:
+        """Wait for the next frame of a client that holds lent chunks; False (drop it, taking
+        them back) once the process that connected is gone, even if a child it forked still
+        holds the socket open."""
+        while not self._closing:
+            if select.select([sock], [], [], PEER_CHECK_S)[0]:
+                return True
+            if not pid_alive(pid):
+                log.warning("shmstore: store %r: client process %d is gone with %d chunk(s) "
+                            "lent; taking them back", self._writer.name, pid, lent)
+                return False
+        return False
+
+    def _reply(self, sock: socket.socket, reply: list[Any]) -> None:
+        try:
+            send_frame(sock, reply)
+        except InvalidArgument:  # over the frame limit (not for a bounded error): say so
+            send_frame(sock, error_reply(ShmStoreError(
+                f"the reply to this call is over the {MAX_FRAME_BYTES}-byte frame limit; "
+                "ask for fewer keys at once")))
 
     def _post_failed(self, op: str, exc: BaseException) -> None:
         """A posted call's errors are the client's, but it is not waiting for them: a handle
@@ -183,9 +237,13 @@ class WriterHost(Closeable):
         return [handle_to_wire(made[0]), made[1], self._writer.object_id(key)]
 
     def _begin(self, args: list[Any], loans: Lender) -> list[int]:
+        key, nbytes, crc = args
         if len(loans) >= MAX_LOANS:
             raise ProtocolError(f"more than {MAX_LOANS} chunks lent at once")
-        return list(loans.begin(*args))
+        if nbytes < 0 or not 0 <= crc < 1 << 32:
+            raise InvalidArgument(f"a loan of {nbytes} bytes with structure crc {crc}: the size "
+                                  "is at least 0 and the crc a u32", "begin", [nbytes, crc])
+        return list(loans.begin(key, nbytes, crc))
 
     def _lent(self, op: str, loan: int, loans: Lender) -> int:
         if loan not in loans:

@@ -275,7 +275,9 @@ class StoreReader(StoreBase):
         """Count one read of `handle` without reading it (a hand-out this reader will skip).
 
         Raises:
-            StaleHandle: the object is gone already (nothing to give up).
+            StaleHandle: the object is gone already (nothing to give up), or the handle names
+                another key than the object at its address (a read owed to that object is
+                not taken).
         """
         guard = self._guard_enter()
         try:
@@ -283,6 +285,11 @@ class StoreReader(StoreBase):
             done = None
             try:
                 self._reader_ring.header(handle.address, handle.seq)
+                start = handle.address + ALIGN_BYTES
+                if bytes(self._buf[start:start + len(handle.key_digest)]) != handle.key_digest:
+                    raise StaleHandle(f"handle {handle} does not match the key of the object "
+                                      f"at its address in store {self.name!r}; it is stale or "
+                                      "forged: nothing discarded", handle, self.name)
                 done = handle
             finally:
                 self._unpin(pin, done)

@@ -11,14 +11,18 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     Closed,
+    IncompatibleSegment,
     InvalidArgument,
     ProtocolError,
+    SegmentNotFound,
     ShmStoreError,
+    WrongProcess,
 )
 from ..handle import Handle, check_key
 from ..serde._codec import Encoded, encode
@@ -28,11 +32,14 @@ from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline
 from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid
 from ._wire import (
-    ERRORS,
+    KEY,
+    MAX_GROUPS,
     MAX_KEYS,
+    OPS,
     PROTOCOL,
     handle_from_wire,
     int_list,
+    rebuild_error,
     recv_frame,
     request,
     send_frame,
@@ -52,41 +59,76 @@ class RemoteWriter(Closeable):
 
     _sock: socket.socket | None = None
     _ring: ShmRingBuffer | None = None
+    _forked = False  # set in a child forked from the process that made this writer
 
     def __init__(self, name: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.name = name
         self.handout_seq = 0
+        self._pid = os.getpid()
         self._last_id: tuple[str | bytes, bytes | None] | None = None  # (key, its object id)
         deadline = Deadline(connect_timeout_s)
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(host_address(name))
+        while True:  # the store's epoch names its host's socket: map the ring first
+            why = self._connect(name)
+            if why is None:
                 break
-            except OSError as exc:
-                sock.close()
-                if deadline.expired():
-                    raise Closed(f"no process serves the writer of store {name!r} (after "
-                                 f"{connect_timeout_s} s: {exc}); start the process that "
-                                 "creates the store first") from None
-                time.sleep(0.05)
+            if deadline.expired():
+                raise Closed(f"no process serves the writer of store {name!r} (after "
+                             f"{connect_timeout_s} s: {why}); start the process that "
+                             "creates the store first")
+            time.sleep(0.05)
+        _LIVE.add(self)
         try:
-            if peer_uid(sock) != os.getuid():
-                raise Closed(f"the host of store {name!r} runs as another user; refusing it")
-            sock.settimeout(CALL_TIMEOUT_S)
-            self._sock = sock
             protocol, _, n_readers, max_object = self._call("hello")
             if protocol != PROTOCOL:
                 raise ProtocolError(f"store {name!r} is served with protocol {protocol}, this "
                                     f"client speaks {PROTOCOL}: run one shmstore version")
             self.n_readers, self.max_object_bytes = n_readers, max_object
-            self._ring = ShmRingBuffer.attach(name, prefault=False)  # pages as the ring fills
         except BaseException:
             self.close()
             raise
 
+    def _connect(self, name: str) -> str | None:
+        """Map the store's ring and connect to its host; why not, if it could not (yet)."""
+        try:
+            ring = ShmRingBuffer.attach(name, prefault=False)  # pages as the ring fills
+        except (SegmentNotFound, IncompatibleSegment) as exc:
+            return str(exc)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(host_address(name, ring.segment.epoch))
+            if peer_uid(sock) != os.getuid():
+                raise Closed(f"the host of store {name!r} runs as another user; refusing it")
+            sock.settimeout(CALL_TIMEOUT_S)
+        except OSError as exc:
+            sock.close()
+            ring.close()
+            return str(exc)
+        except BaseException:
+            sock.close()
+            ring.close()
+            raise
+        self._sock, self._ring = sock, ring
+        return None
+
+    def _check_process(self) -> None:
+        if self._forked or os.getpid() != self._pid:
+            raise WrongProcess(
+                f"the remote writer of store {self.name!r} belongs to process {self._pid}; "
+                f"process {os.getpid()} is a child forked from it: make a RemoteWriter of its "
+                "own there (its replies would be the parent's)", self._pid, os.getpid())
+
+    def _after_fork_in_child(self) -> None:
+        """Give up the parent's connection without a word to the host: closing this copy of
+        the socket lets the host see the parent go when it goes (and take back what it
+        lent), where a child holding it would keep the connection open."""
+        self._forked = True
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()  # this process's descriptor only: the parent's connection stays
+
     def _post(self, op: str, *args: Any) -> None:
         """Send `op` without waiting for it: the host runs it before anything sent later."""
+        self._check_process()
         sock = self._sock
         if sock is None:
             raise Closed(f"the remote writer of store {self.name!r} is closed")
@@ -97,6 +139,7 @@ class RemoteWriter(Closeable):
             raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
 
     def _call(self, op: str, *args: Any) -> Any:
+        self._check_process()
         sock = self._sock
         if sock is None:
             raise Closed(f"the remote writer of store {self.name!r} is closed")
@@ -114,9 +157,7 @@ class RemoteWriter(Closeable):
             raise Closed(f"the host of store {self.name!r} sent a malformed reply")
         if reply[0] == 0 and len(reply) == 2:
             return reply[1]
-        name, message = (reply + ["", ""])[1:3]
-        make = ERRORS.get(name)
-        raise (make(message) if make else ShmStoreError(f"{name}: {message}"))
+        raise rebuild_error(reply, args[0] if OPS[op].args[:1] == (KEY,) else None)
 
     # -- the writer's calls ------------------------------------------------------------------
 
@@ -194,8 +235,11 @@ class RemoteWriter(Closeable):
             self._post("narrow", handle, number, readers)
 
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
-        return [bool(v) for v in
-                self._call("end_handouts", groups)]
+        """As StoreWriter.end_handouts, in frames of at most MAX_GROUPS groups (a burst of
+        ended requests may end many more at once)."""
+        groups = list(groups)
+        return [bool(v) for i in range(0, len(groups), MAX_GROUPS)
+                for v in self._call("end_handouts", groups[i:i + MAX_GROUPS])]
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
         return tuple(self._call("unread", handle))
@@ -244,6 +288,18 @@ class RemoteWriter(Closeable):
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+
+
+
+_LIVE: weakref.WeakSet[RemoteWriter] = weakref.WeakSet()  # this process's, for fork
+
+
+def _forget_in_child() -> None:
+    for writer in list(_LIVE):
+        writer._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 if TYPE_CHECKING:  # mypy checks that RemoteWriter meets the one writer interface

@@ -8,18 +8,24 @@ waiting for a reply); the client encodes with `request()` and the host checks an
     request   [op, args...]                     args as OPS[op] lists them
               ["post", op, args...]             a postable op, no reply
     reply     [0, result]                       the call returned
-              [1, error class name, message]    the call raised one of ERRORS (else a
-                                                ShmStoreError naming the class)
+              [1, error class, message, fields] the call raised one of ERRORS (else a
+                                                ShmStoreError naming the class): rebuilt on
+                                                the client's side with its attributes; the
+                                                message is cut to MAX_ERROR_CHARS, a field
+                                                over MAX_FIELD_BYTES goes as None
 
-Argument kinds, as the host checks them (a frame that breaks its schema is not ours: the host
-drops the connection, ProtocolError; a key it refuses is answered, InvalidKey):
+Argument kinds, as the host checks them. A frame of the wrong shape or types is not ours:
+the host drops the connection (ProtocolError). A well-typed value the writer refuses is
+answered like any error of the call, and the connection stays (InvalidKey for a key,
+InvalidHandle for handle fields out of range, StaleHandle or ReaderIndexError from the
+writer for numbers it does not have):
 
     key       str or bytes, checked by check_key
     keys      a list of at most MAX_KEYS keys, all checked before anything runs
-    handle    [address, seq, key digest, epoch], rebuilt as a Handle
-    number    a non-negative int
-    number?   a non-negative int or None
-    numbers   a list of non-negative ints
+    handle    a list of 4: [address, seq, key digest, epoch], rebuilt as a Handle
+    number    an int in [-2**63, 2**64)
+    number?   a number or None
+    numbers   a list of numbers
     groups    a list of [handle, numbers]
     flag      a bool
 """
@@ -36,6 +42,7 @@ import msgpack
 
 from ..errors import (
     InvalidArgument,
+    InvalidHandle,
     InvalidKey,
     KeyExists,
     KeyNotCached,
@@ -48,13 +55,16 @@ from ..errors import (
 )
 from ..handle import Handle, check_key
 
-__all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "OPS", "POSTABLE", "ERRORS", "Op",
-           "send_frame", "recv_frame", "request", "parse_request", "handle_to_wire",
-           "handle_from_wire", "int_list"]
+__all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_GROUPS", "OPS", "POSTABLE", "ERRORS",
+           "Op", "send_frame", "recv_frame", "request", "parse_request", "handle_to_wire",
+           "handle_from_wire", "int_list", "error_reply", "rebuild_error"]
 
-PROTOCOL = 1
+PROTOCOL = 2
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
 MAX_KEYS = 1024  # keys in one hand_out_cached or cached call
+MAX_GROUPS = 4096  # (handle, numbers) groups in one end_handouts frame; the client splits
+MAX_ERROR_CHARS = 4096  # an error message is cut here (a key quoted in it may be 1 MiB)
+MAX_FIELD_BYTES = 4096  # an error's str/bytes attribute longer than this goes as None
 LENGTH = struct.Struct("<I")
 
 KEY, KEYS, HANDLE, NUMBER, MAYBE_NUMBER, NUMBERS, GROUPS, FLAG = (
@@ -91,16 +101,62 @@ OPS: dict[str, Op] = {
 }
 POSTABLE = tuple(name for name, op in OPS.items() if op.postable)
 
-# errors that cross the socket: rebuilt on the client's side with their message
-ERRORS: dict[str, Callable[[str], BaseException]] = {
-    "StaleHandle": lambda m: StaleHandle(m),
-    "KeyNotCached": lambda m: KeyNotCached(m, ""),
-    "KeyExists": lambda m: KeyExists(m, ""),
-    "ObjectTooLarge": lambda m: ObjectTooLarge(m, 0, 0),
-    "StoreFull": lambda m: StoreFull(m, 0, 0),
-    "ReaderIndexError": lambda m: ReaderIndexError(m, None, 0),
-    "InvalidKey": lambda m: InvalidKey(m),
+# errors that cross the socket: class and the attributes its constructor takes after the
+# message, rebuilt on the client's side with them
+ERRORS: dict[str, tuple[type[ShmStoreError], tuple[str, ...]]] = {
+    "StaleHandle": (StaleHandle, ("handle", "name")),
+    "KeyNotCached": (KeyNotCached, ("key",)),
+    "KeyExists": (KeyExists, ("key",)),
+    "ObjectTooLarge": (ObjectTooLarge, ("object_bytes", "max_object_bytes")),
+    "StoreFull": (StoreFull, ("requested_bytes", "capacity_bytes", "lagging_readers")),
+    "ReaderIndexError": (ReaderIndexError, ("reader", "n_readers")),
+    "InvalidKey": (InvalidKey, ()),
+    "InvalidHandle": (InvalidHandle, ()),
+    "InvalidArgument": (InvalidArgument, ("argument", "value")),
 }
+
+
+def _field_to_wire(value: Any) -> Any:
+    if isinstance(value, Handle):
+        return ["handle", handle_to_wire(value)]
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, (str, bytes)) and len(value) > MAX_FIELD_BYTES:
+        return None
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if isinstance(value, list) and all(type(v) is int for v in value):
+        return value[:MAX_FIELD_BYTES // 8]
+    return None  # anything else stays on the host's side
+
+
+def error_reply(exc: BaseException) -> list[Any]:
+    """The reply of a call that raised `exc`: bounded, with the attributes ERRORS names."""
+    name = type(exc).__name__
+    fields = [_field_to_wire(getattr(exc, a, None)) for a in ERRORS.get(name, (None, ()))[1]]
+    return [1, name, str(exc)[:MAX_ERROR_CHARS], fields]
+
+
+def rebuild_error(reply: list[Any], key: Any = None) -> ShmStoreError:
+    """The exception an error reply stands for; `key` (the call's own) where the host left a
+    long key out."""
+    name, message, fields = (reply + ["", "", []])[1:4]
+    if name not in ERRORS or not isinstance(fields, list):
+        return ShmStoreError(f"{name}: {message}")
+    cls, attrs = ERRORS[name]
+    values = []
+    for attr, value in zip(attrs, fields + [None] * len(attrs)):
+        if isinstance(value, list) and value[:1] == ["handle"]:
+            try:
+                value = handle_from_wire(value[1])
+            except (ProtocolError, IndexError):
+                value = None
+        elif attr == "key" and value is None:
+            value = key if key is not None else ""
+        elif attr == "lagging_readers":
+            value = tuple(value or ())
+        values.append(value)
+    return cls(str(message), *values)
 
 
 def handle_to_wire(handle: Handle) -> list[Any]:
@@ -118,9 +174,30 @@ def handle_from_wire(words: Any) -> Handle:
 
 
 def int_list(values: Any, what: str) -> list[int]:
+    """A reply's list of non-negative ints (ProtocolError: the host is not ours)."""
     if not isinstance(values, list) or any(type(v) is not int or v < 0 for v in values):
         raise ProtocolError(f"{what}: a list of non-negative ints")
     return values
+
+
+def _number(value: Any) -> int:
+    if type(value) is not int or not -(1 << 63) <= value < 1 << 64:
+        raise ProtocolError(f"a number is an int in [-2**63, 2**64), not {type(value).__name__}")
+    return value
+
+
+def _numbers(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise ProtocolError("numbers: a list")
+    return [_number(v) for v in value]
+
+
+def _handle_arg(value: Any) -> Handle:
+    """A handle argument: its shape checked here (ProtocolError), its values by Handle
+    (InvalidHandle, answered)."""
+    if not isinstance(value, list) or len(value) != 4:
+        raise ProtocolError("a handle is a list of 4 fields")
+    return Handle(*value)
 
 
 def _keys(value: Any) -> list[str | bytes]:
@@ -134,7 +211,9 @@ def _keys(value: Any) -> list[str | bytes]:
 def _groups(value: Any) -> list[tuple[Handle, list[int]]]:
     if not isinstance(value, list) or any(not isinstance(g, list) or len(g) != 2 for g in value):
         raise ProtocolError("a list of [handle, numbers]")
-    return [(handle_from_wire(h), int_list(n, "numbers")) for h, n in value]
+    if len(value) > MAX_GROUPS:
+        raise ProtocolError(f"at most {MAX_GROUPS} groups in one frame")
+    return [(_handle_arg(h), _numbers(n)) for h, n in value]
 
 
 def _flag(value: Any) -> bool:
@@ -146,10 +225,10 @@ def _flag(value: Any) -> bool:
 _FROM_WIRE: dict[str, Callable[[Any], Any]] = {
     KEY: check_key,
     KEYS: _keys,
-    HANDLE: handle_from_wire,
-    NUMBER: lambda v: int_list([v], "a number")[0],
-    MAYBE_NUMBER: lambda v: None if v is None else int_list([v], "a number")[0],
-    NUMBERS: lambda v: int_list(v, "numbers"),
+    HANDLE: _handle_arg,
+    NUMBER: _number,
+    MAYBE_NUMBER: lambda v: None if v is None else _number(v),
+    NUMBERS: _numbers,
     GROUPS: _groups,
     FLAG: _flag,
 }

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ShmStoreError, StaleHandle
+from ..errors import Closed, SegmentClosed, ShmStoreError, StaleHandle
 from ..handle import Handle
 from ..store._api import WriterAPI
 from ._env import LOG_NAME
@@ -120,13 +120,17 @@ class RequestLedger:
                 recs = [self._handouts[n] for n in numbers]
                 if any(not self._done(rec, now) for rec in recs) or self._busy(handle):
                     continue
-                for number in numbers:
-                    del self._handouts[number]
                 over.append((handle, numbers))
                 recs_over.append(recs)
             if not over:
                 return False
-            for recs, owed in zip(recs_over, self._store.end_handouts(over), strict=True):
+            # the records go only once the store took the news (a call that fails keeps them
+            # for the next sweep); a remote writer sends them in frames it can carry
+            ended = self._store.end_handouts(over)
+            for _, numbers in over:
+                for number in numbers:
+                    self._handouts.pop(number, None)
+            for recs, owed in zip(recs_over, ended, strict=True):
                 if owed:  # still owed reads: these may be among them, never to be read
                     reason = self._reason(recs)
                     self.settled[reason] += len(recs)
@@ -144,9 +148,11 @@ class RequestLedger:
                 return
             try:
                 ledger.settle(full=False)
-            except ShmStoreError as exc:  # the store went away (shutdown): nothing to settle
+            except (Closed, SegmentClosed) as exc:  # the store went away (shutdown)
                 log.debug("shmstore: hand-out sweep ends: %s", exc)
                 return
+            except ShmStoreError as exc:  # kept: tried again at the next sweep
+                log.warning("shmstore: settling hand-outs failed, tried again: %s", exc)
             del ledger
 
     def close(self) -> None:

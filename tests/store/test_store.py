@@ -519,3 +519,19 @@ def test_an_object_is_still_copied_forward_when_the_next_is_free(name: str) -> N
         reader.get(writer.put("c", np.full(size - 1024, 3, dtype=np.uint8)))
         assert writer.is_cached("a") and not writer.is_cached("b")  # a kept, b dropped
         assert writer.stats().reinsertions == 1
+
+
+def test_discard_refuses_a_handle_of_another_key(name: str) -> None:
+    """A handle whose digest names another key takes no read from the object at its address
+    (get refuses it too)."""
+    with ObjectStore.create(name, capacity_bytes=1 << 20, n_readers=1) as w, \
+            ObjectStore.attach(name, reader=0) as r:
+        h = w.put("a", np.zeros(8))
+        forged = Handle(h.address, h.seq, key_digest("b"), h.epoch)
+        with pytest.raises(StaleHandle, match="nothing discarded"):
+            r.discard(forged)
+        with pytest.raises(StaleHandle):
+            r.get(forged)
+        assert w.unread(h) == (1,)  # still owed to the reader
+        r.discard(h)
+        assert w.unread(h) == (0,)

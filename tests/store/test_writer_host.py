@@ -167,9 +167,9 @@ def test_a_client_killed_while_writing_gives_its_chunk_back(hosted, name: str) -
     assert not writer.is_cached("orphan")
 
 
-def _raw(name: str) -> socket.socket:
+def _raw(writer) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(host_address(name))
+    sock.connect(host_address(writer.name, writer.epoch))
     sock.settimeout(5)
     return sock
 
@@ -208,7 +208,7 @@ def test_posted_calls_run_in_order_and_fail_quietly(hosted, caplog) -> None:
     client.narrow(handle, client.handout_seq, [5], wait=False)  # no such reader: counted
     assert client.is_cached("a") and host.post_errors == 1  # the connection goes on
     assert "posted narrow failed" in caplog.text
-    sock = _raw(writer.name)  # only give_back and narrow may be posted
+    sock = _raw(writer)  # only give_back and narrow may be posted
     frame = msgpack.packb(["post", "clear", False])
     sock.sendall(struct.pack("<I", len(frame)) + frame)
     assert sock.recv(1 << 16) == b""  # dropped
@@ -233,11 +233,13 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> 
     b"".join([struct.pack("<I", len(b := msgpack.packb(["nope"]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["give_back", [1, 2], None]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["commit", 12345]))), b]),
-    b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16, 1], -1, []]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16], -1, []]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16, 1], "1", []]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["len", 1]))), b]),
 ])
 def test_a_hostile_frame_closes_that_connection_only(hosted, frame: bytes) -> None:
     writer, _, client, readers, _ = hosted
-    sock = _raw(writer.name)
+    sock = _raw(writer)
     sock.sendall(frame)
     assert sock.recv(1 << 16) == b""  # dropped
     sock.close()
@@ -258,10 +260,9 @@ def test_bad_arguments_get_an_error_reply_not_a_drop(hosted) -> None:
 
 def test_another_user_is_refused(hosted, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     writer, host, _, _, _ = hosted
-    another_user = lambda sock: os.getuid() + 1  # noqa: E731
-    monkeypatch.setattr(writer_host, "peer_uid", another_user)  # the host's check
-    monkeypatch.setattr(remote, "peer_uid", another_user)  # and the client's
-    sock = _raw(name)  # the host sees another user: closed before any request
+    monkeypatch.setattr(writer_host, "_peer", lambda sock: (os.getpid(), os.getuid() + 1))
+    monkeypatch.setattr(remote, "peer_uid", lambda sock: os.getuid() + 1)  # the client's check
+    sock = _raw(writer)  # the host sees another user: closed before any request
     try:
         sock.sendall(struct.pack("<I", len(b := msgpack.packb(["hello"]))) + b)
         got = sock.recv(64)
