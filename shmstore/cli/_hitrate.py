@@ -30,6 +30,7 @@ in file order, or by time when the time column is given and not sorted.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import time
@@ -161,6 +162,7 @@ def main(args: argparse.Namespace) -> int:
         if args.frontends < 1 or args.frontends > MAX_FRONTENDS:
             raise TraceError(f"--frontends {args.frontends}: give 1 to {MAX_FRONTENDS} (1: one "
                              "front end, no comparison)")
+        _check_options(args)
         routes: list[str] | None = [] if args.frontends > 1 and args.route == "column" else None
         trace = read_trace(args.trace, args.format, args.columns, args.delimiter, args.limit,
                            routes)
@@ -205,6 +207,21 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(recommend(stats, target, args.workers)))
     print("wrote " + " and ".join(str(p) for p in written))
     return 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an option that would be silently wrong (TraceError, exit 2)."""
+    target = args.target
+    if target is not None and not (math.isfinite(target) and 0 < target <= 1):
+        raise TraceError(f"--target {target}: a hit ratio in (0, 1], e.g. 0.8 for 80%")
+    if args.verify < 0:
+        raise TraceError(f"--verify {args.verify}: the number of requests to check (0: skip)")
+    if args.limit is not None and args.limit < 1:
+        raise TraceError(f"--limit {args.limit}: the number of requests to replay, at least 1")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise TraceError(f"--out {out}: not a directory; name a folder for hitrate.csv and "
+                         "hitrate.png")
 
 
 def _table(stats: list[SimStats], budgets: list[tuple[str, int]], kinds: list[str],

@@ -30,16 +30,19 @@ typedef struct {
     int exported;
 } WordsObject;
 
+/* The word at `arg`, checked. Callers convert every other argument first: a conversion may
+ * run Python code (__index__) that releases the words, and nothing may run between the release
+ * check here and the atomic operation on the pointer it returns. */
 static uint64_t *
 word_at(WordsObject *self, PyObject *arg)
 {
+    Py_ssize_t offset = PyLong_AsSsize_t(arg);  /* ints only: no Python code runs */
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
     if (!self->exported) {
         PyErr_SetString(PyExc_ValueError, "the words were released (their mapping is closed)");
         return NULL;
     }
-    Py_ssize_t offset = PyLong_AsSsize_t(arg);
-    if (offset == -1 && PyErr_Occurred())
-        return NULL;
     if (offset < 0 || offset % 8 != 0 || offset > self->view.len - 8) {
         PyErr_Format(PyExc_IndexError,
                      "word offset %zd is not a multiple of 8 inside the %zd-byte mapping",
@@ -85,8 +88,10 @@ words_store_release(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t value;
     if (check_nargs("store_release", nargs, 2) < 0)
         return NULL;
+    if (value_arg(args[1], &value) < 0)
+        return NULL;
     uint64_t *word = word_at(self, args[0]);
-    if (word == NULL || value_arg(args[1], &value) < 0)
+    if (word == NULL)
         return NULL;
     __atomic_store_n(word, value, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
@@ -98,8 +103,10 @@ words_exchange(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t value;
     if (check_nargs("exchange", nargs, 2) < 0)
         return NULL;
+    if (value_arg(args[1], &value) < 0)
+        return NULL;
     uint64_t *word = word_at(self, args[0]);
-    if (word == NULL || value_arg(args[1], &value) < 0)
+    if (word == NULL)
         return NULL;
     return PyLong_FromUnsignedLongLong(__atomic_exchange_n(word, value, __ATOMIC_SEQ_CST));
 }
@@ -110,8 +117,10 @@ words_compare_exchange(WordsObject *self, PyObject *const *args, Py_ssize_t narg
     uint64_t expected, value;
     if (check_nargs("compare_exchange", nargs, 3) < 0)
         return NULL;
+    if (value_arg(args[1], &expected) < 0 || value_arg(args[2], &value) < 0)
+        return NULL;
     uint64_t *word = word_at(self, args[0]);
-    if (word == NULL || value_arg(args[1], &expected) < 0 || value_arg(args[2], &value) < 0)
+    if (word == NULL)
         return NULL;
     int done = __atomic_compare_exchange_n(word, &expected, value, 0, __ATOMIC_SEQ_CST,
                                            __ATOMIC_SEQ_CST);

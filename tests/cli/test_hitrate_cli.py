@@ -113,6 +113,11 @@ def test_budgets_in_percent_and_units() -> None:
     (b"0,a,10\n", ("--columns", "key=0,bytes=3"), "key must name a column"),
     (b"0,a,10\n", ("--limit", "-1"), "--limit -1"),
     (b"0,a,10\n", ("--limit", "0"), "--limit 0"),
+    (b"0,a,10\n", ("--target", "nan"), r"--target nan: a hit ratio in \(0, 1\]"),
+    (b"0,a,10\n", ("--target", "-1"), "--target -1"),
+    (b"0,a,10\n", ("--target", "2"), "--target 2"),
+    (b"0,a,10\n", ("--target", "80"), "--target 80.0: .*0.8 for 80%"),
+    (b"0,a,10\n", ("--verify", "-5"), "--verify -5"),
 ])
 def test_hostile_traces_and_options_exit_2_naming_the_line_or_option(
         tmp_path: Path, content: bytes, args: tuple[str, ...], message: str) -> None:
@@ -218,3 +223,14 @@ def test_routes_follow_the_requests_when_a_trace_is_sorted_by_time(tmp_path: Pat
     routes: list[str] = []
     assert read_trace(path, routes=routes) == [("a", 10), ("b", 10), ("c", 10)]
     assert routes == ["x", "y", "z"]
+
+
+def test_out_naming_a_file_is_refused_before_any_work(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("".join(f"{i},{k},{n}\n" for i, (k, n) in enumerate(TRACE)))
+    target = tmp_path / "a-file"
+    target.write_text("mine")
+    done = hitrate(str(trace), "--out", str(target))
+    assert done.returncode == 2 and "--out" in done.stderr and "not a directory" in done.stderr
+    assert "Traceback" not in done.stderr and "replayed" not in done.stdout  # no work done
+    assert target.read_text() == "mine"

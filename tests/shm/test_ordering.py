@@ -177,6 +177,37 @@ def test_compiled_words_hold_the_mapping_open_until_released_and_fail_loudly_aft
         make_words("compiled", b"read-only bytes")  # type: ignore[arg-type]
 
 
+def test_a_value_whose_index_releases_the_words_is_refused_not_written() -> None:
+    """A value is converted before the release check: Python code it runs (__index__) that
+    releases the words and unmaps the memory cannot make the call write through the pointer
+    it had (a segfault before)."""
+    if not compiled_built():
+        pytest.skip("shm/_atomic.c was not built")
+    script = """
+import mmap
+from shmstore.shm._atomic import Words
+class Sly:
+    def __index__(self):
+        words.release()
+        mapping.close()
+        return 5
+for call in ("store_release(0, Sly())", "exchange(0, Sly())", "compare_exchange(0, 0, Sly())",
+             "compare_exchange(0, Sly(), 1)"):
+    mapping = mmap.mmap(-1, 4096)
+    words = Words(mapping)
+    try:
+        eval("words." + call)
+        raise SystemExit(f"{call} wrote through a released mapping")
+    except ValueError as exc:
+        assert "released" in str(exc), exc
+print("refused")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "refused", (done.returncode,
+                                                                        done.stderr)
+
+
 def test_release_and_close_from_another_thread_mid_access_fail_loudly_never_crash() -> None:
     """Another thread releases the words and closes the mapping while this one swaps, loads and
     compares as fast as it can: each call either completes on the live mapping or raises."""
