@@ -195,15 +195,18 @@ class StoreReader(StoreBase):
         """Objects this reader index gave up on because they failed validation, ever."""
         return self._corrupt_reads
 
-    def get(self, handle: Handle, *, count: bool = True, pin_memory: bool = False) -> Any:
+    def get(self, handle: Handle, *, count: bool = True, pin_memory: bool = False,
+            origin: int | None = None) -> Any:
         """Return an owned copy of the object and count one read (unless `count` is False: a
         reader reading a hand-out it has read before, whose read is counted already). With
         `pin_memory`, torch tensors are copied into page-locked memory, from which a CUDA
-        device copy needs no staging copy (CUDA only).
+        device copy needs no staging copy (CUDA only). With `origin`, the object must be the
+        bytes the put of that seq wrote (StoredBody.object_id's last word).
 
         Raises:
             InvalidArgument: pin_memory without CUDA.
-            StaleHandle: the object was reclaimed, cleared, or the handle is from another store.
+            StaleHandle: the object was reclaimed, cleared, or the handle is from another store,
+                or its bytes are not those of `origin` (no read is counted).
             CorruptObject: the bytes fail validation (the object is given up: counted as read).
             SegmentClosed: this reader was closed (before or during the call).
         """
@@ -214,7 +217,12 @@ class StoreReader(StoreBase):
             pin = self._pin(handle)
             done = None
             try:
-                obj = self._decode(handle, copy=True, pin_memory=pin_memory)
+                located = self._locate(handle)
+                if origin is not None and located[3] != origin:
+                    raise StaleHandle(f"handle {handle} names the bytes of put {origin}, but the "
+                                      f"object at its address in store {self.name!r} holds those "
+                                      f"of put {located[3]}: stale or damaged", handle, self.name)
+                obj = self._decode(handle, copy=True, located=located, pin_memory=pin_memory)
                 if self._words.load_acquire(handle.address) not in (handle.seq, 0):
                     # Reused under the pin: impossible unless the pin words were damaged.
                     raise StaleHandle(f"object seq {handle.seq} in store {self.name!r} was "
@@ -270,6 +278,12 @@ class StoreReader(StoreBase):
                 self._unpin(pin, done)
         finally:
             guard.leave()
+
+    @property
+    def handout_seq(self) -> int:
+        """The number of the last hand-out the writer made: a handle that names a later one
+        was not made by this store's writer."""
+        return self._words.load_acquire(self._meta + META_HANDOUT_SEQ)
 
     def discard(self, handle: Handle) -> None:
         """Count one read of `handle` without reading it (a hand-out this reader will skip).

@@ -100,7 +100,9 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             log.warning("shmstore: item %s carries the handle of another item; asking for it "
                         "again", mm_hash)
             raise MultiModalCacheMissError([mm_hash])
-        read = (self._request, mm_item[HANDLE_FIELD].data[6])
+        words = mm_item[HANDLE_FIELD].data
+        origin, number = words[5], words[6]
+        read = (self._request, number)
         count = read not in self._read
         try:
             if self._feed is not None:
@@ -108,7 +110,11 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
                 assert object_id is not None  # it carries a handle
                 value = self._feed.get(object_id)
             else:
-                value = self.reader.get(handle, count=count, pin_memory=self._pin_memory)
+                if not 0 < number <= self.reader.handout_seq:
+                    raise StaleHandle(f"hand-out number {number} was never made by the store "
+                                      f"(its last is {self.reader.handout_seq})", handle)
+                value = self.reader.get(handle, count=count, pin_memory=self._pin_memory,
+                                        origin=origin)
         except (StaleHandle, CorruptObject, *FEED_ERRORS) as exc:
             log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
             raise MultiModalCacheMissError([mm_hash]) from None

@@ -284,6 +284,26 @@ def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: An
         sender.validate_input_item(out, "h5")  # stale
 
 
+@pytest.mark.parametrize(("word", "change"), [(5, 1), (5, -1), (6, 1 << 40), (6, None)])
+def test_a_worker_refuses_a_handle_item_whose_origin_or_hand_out_word_is_wrong(
+        caches: Any, word: int, change: int | None) -> None:
+    """Every word of a handle item is checked, not the first five only: a damaged or replayed
+    origin or hand-out number takes no read another request still needs."""
+    sender, receivers = caches
+    out, _ = sender.get_and_update_item((image_item(8), []), "h8")
+    handle = handle_from_item(out)
+    words = list(out[HANDLE_FIELD].data)
+    words[word] = 0 if change is None else words[word] + change
+    bad = MultiModalKwargsItem(dict(out))
+    bad[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
+    with pytest.raises(MultiModalCacheMissError):
+        receivers[0].get_and_update_item(over_the_wire(bad), "h8")
+    assert sender.store.unread(handle) == (1, 1)  # nobody's read was taken
+    for receiver in receivers:  # the real one still reads, once per worker
+        assert same_item(receiver.get_and_update_item(over_the_wire(out), "h8"), image_item(8))
+    assert sender.store.unread(handle) == (0, 0)
+
+
 def test_features_without_data_are_skipped_and_handles_resolved(caches: Any) -> None:
     sender, receivers = caches
     item = image_item(7)
