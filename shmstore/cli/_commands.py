@@ -101,37 +101,48 @@ def cmd_ls() -> int:
     return 0
 
 
-def remove(name: str) -> str:
-    """Remove one dead segment (and a queue's semaphores); return what happened."""
+def remove(name: str) -> tuple[bool, str]:
+    """Remove one dead segment (and a queue's semaphores, only once its segment went); return
+    whether it was removed and what happened. A segment a new writer took over meanwhile is
+    left alone (the check and the unlink hold a lock on the dead writer's file)."""
+    from ..errors import SegmentExists
     from ..queue._broadcast import remove_semaphores
     from ..shm._segment import KIND_QUEUE, Segment
 
     info = next((i for i in list_segments() if i.name == name), None)
     if info is None:
-        return f"{name}: no shmstore segment of that name"
+        return False, f"{name}: no shmstore segment of that name"
     if info.writer_alive:
-        return f"{name}: its writer (pid {info.writer_pid}) is alive; stop it instead"
-    Segment.remove_stale(name)
+        return False, f"{name}: its writer (pid {info.writer_pid}) is alive; stop it instead"
+    try:
+        removed = Segment.remove_stale(name)
+    except SegmentExists as exc:
+        return False, f"{name}: not removed: {exc}"
+    if not removed:
+        return False, f"{name}: not removed: it was removed or taken over meanwhile"
     extra = ""
     if info.kind == KIND_QUEUE:
         extra = f" and {remove_semaphores(name, info.n_readers)} semaphores"
-    return f"{name}: removed ({format_size(info.size_bytes)}{extra})"
+    return True, f"{name}: removed ({format_size(info.size_bytes)}{extra})"
 
 
 def cmd_rm(names: list[str]) -> int:
     status = 0
     for name in names:
-        message = remove(name)
+        removed, message = remove(name)
         print(message)
-        status |= 0 if message.endswith(")") else 1
+        status |= 0 if removed else 1
     return status
 
 
 def cmd_gc() -> int:
     dead = [i.name for i in list_segments() if not i.writer_alive]
+    removed = 0
     for name in dead:
-        print(remove(name))
-    print(f"{len(dead)} dead segment(s) removed")
+        done, message = remove(name)
+        removed += done
+        print(message)
+    print(f"{removed} dead segment(s) removed")
     return 0
 
 

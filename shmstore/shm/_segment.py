@@ -9,10 +9,12 @@ and `close()`. Memoryviews from `buf` stay valid until `close()`.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import secrets
+import stat
 import time
 import warnings
 from types import TracebackType
@@ -279,14 +281,7 @@ class Segment(Closeable):
         validate_name(name)
         if not regular_file(name):
             return False  # nothing, or not shared memory: not ours to remove
-        pid = peek_writer_pid(name)
-        if pid is not None and pid_alive(pid):
-            raise _exists_error(name)
-        try:
-            posix_ipc.unlink_shared_memory(posix_name(name))
-        except posix_ipc.ExistentialError:
-            return False
-        return True
+        return _unlink_if_dead(name)
 
     # -- access ------------------------------------------------------------------------------
 
@@ -401,6 +396,43 @@ def _exists_error(name: str) -> SegmentExists:
     )
 
 
+def _unlink_if_dead(name: str) -> bool:
+    """Unlink `name` if it still is the shmstore segment of a dead writer; return whether it
+    was unlinked. The check and the unlink hold an exclusive flock on the segment's file, and
+    the name must still lead to that file (same inode) when it is unlinked: a writer that took
+    the name over meanwhile (a new file) never loses its segment, and two removers of one dead
+    segment unlink it once.
+
+    Raises:
+        SegmentExists: the segment's writer is alive.
+    """
+    path = os.path.join(SHM_DIR, name)
+    try:  # O_NONBLOCK: whatever is there now, opening it never waits (a FIFO)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, or not ours to open
+    try:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return False  # the name leads to another file now: someone else's
+        header = os.pread(fd, SEGMENT_HEADER.size, 0)
+        if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
+            return False  # not a shmstore segment: not ours to remove
+        if pid_alive(SEGMENT_HEADER.unpack(header)[7]):
+            raise _exists_error(name)
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
 def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
     """O_CREAT|O_EXCL the name, taking over a stale shmstore segment of a dead writer once."""
     try:
@@ -411,10 +443,7 @@ def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:
             raise _exists_error(name) from None
     log.warning("taking over shared memory %r left by writer pid %d, which is no longer running",
                 name, pid)
-    try:
-        posix_ipc.unlink_shared_memory(posix_name(name))
-    except posix_ipc.ExistentialError:
-        pass
+    _unlink_if_dead(name)  # False: gone or replaced meanwhile; the create below says which
     try:
         return posix_ipc.SharedMemory(posix_name(name), flags=posix_ipc.O_CREX, mode=mode, size=0)
     except posix_ipc.ExistentialError:  # another process took it over first

@@ -82,3 +82,25 @@ def test_relay_options_of_zero_are_refused_not_replaced_by_defaults() -> None:
     done = cli("relay", "connect", "tcp://127.0.0.1:1", "--name", new_name("x"), "--readers", "1",
                "--peer-timeout", "0")
     assert done.returncode == 2 and "peer_timeout_s" in done.stderr, done.stderr
+
+
+def test_rm_of_a_segment_whose_writer_lives_after_all_removes_nothing_and_says_why(
+        monkeypatch) -> None:
+    """rm read a dead writer, but by the time it removes, a live writer owns the name: it
+    removes neither the segment nor the queue's semaphores, and says so (no traceback)."""
+    import dataclasses
+
+    from shmstore import BroadcastQueue
+    from shmstore.cli import _commands
+
+    name = new_name("rmrace")
+    with BroadcastQueue.create(name, n_readers=1, n_slots=4) as q:
+        real = _commands.list_segments
+        monkeypatch.setattr(_commands, "list_segments", lambda: [
+            dataclasses.replace(i, writer_alive=False) for i in real() if i.name == name])
+        removed, message = _commands.remove(name)
+        assert not removed and "not removed" in message and "live writer" in message
+        assert _commands.cmd_rm([name]) == 1
+        with BroadcastQueue.attach(name, 0) as r:  # segment and semaphores intact
+            q.put({"x": 1})
+            assert r.get(timeout=5) == {"x": 1}

@@ -109,6 +109,45 @@ def test_stale_segment_can_be_removed(name: str) -> None:
     assert not os.path.exists(os.path.join(SHM_DIR, name))
 
 
+def test_a_remover_racing_a_new_writer_never_unlinks_the_new_segment(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shmstore rm` / gc / remove_stale checks the dead writer, and in that very moment a new
+    writer takes the name over: the remover must unlink the dead segment at most, never the new
+    one. The race is forced: the remover's liveness check starts the new writer and gives it a
+    second to take the name over before answering."""
+    import shmstore.shm._segment as segment_module
+
+    _leave_stale(name)
+    real = segment_module.pid_alive
+    takers: list[subprocess.Popen[str]] = []
+
+    def check_while_a_writer_takes_over(pid: int) -> bool:
+        if not takers:
+            takers.append(subprocess.Popen([sys.executable, "-c", (
+                "import sys, time; from shmstore.shm._segment import Segment, KIND_RING; "
+                f"s = Segment.create({name!r}, kind=KIND_RING, capacity_bytes=8192); "
+                "print('made', flush=True); sys.stdin.read()")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            time.sleep(1.0)  # time enough to take the name over, were it not locked
+        return real(pid)
+
+    monkeypatch.setattr(segment_module, "pid_alive", check_while_a_writer_takes_over)
+    taker = None
+    try:
+        Segment.remove_stale(name)
+        monkeypatch.setattr(segment_module, "pid_alive", real)
+        taker = takers[0]
+        assert taker.stdout is not None and taker.stdout.readline().strip() == "made"
+        assert segment_module.peek_writer_pid(name) == taker.pid  # the new segment is there
+        with Segment.attach(name, kind=KIND_RING) as seg:
+            assert seg.writer_pid == taker.pid
+    finally:
+        for proc in takers:
+            proc.kill()
+            proc.wait()
+    assert Segment.remove_stale(name) is True  # its writer is gone now
+
+
 def test_a_foreign_object_is_never_taken_over(name: str) -> None:
     _raw_object(name, b"not ours at all" * 10)
     try:
