@@ -280,7 +280,7 @@ class Relay(Peer):
     def _connect(self) -> None:
         """A new socket with a new routing id (a new peer to the Publisher), then HELLO."""
         self._close_socket()
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self._zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(16))
         sock.setsockopt(zmq.RCVHWM, 0)  # bounded by the Publisher's window
         sock.setsockopt(zmq.SNDHWM, 1000)

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,8 +212,39 @@ class AllowList:
         return allowed
 
 
+class _Zmq:
+    """One Peer's ZeroMQ context and everything made in it, held apart from the Peer. A Peer
+    dropped without close() inside a reference cycle has its weak references cleared before
+    it is collected: pyzmq's Context.__del__ then sees no socket to close and term() blocks
+    for ever on the one still open, in whatever thread the collection runs. The finalizer
+    registered on the Peer holds this object instead, and closes it all when the Peer goes."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sockets: list[Any] = []
+        self.auth: Any = None
+
+    def socket(self, kind: int) -> Any:
+        self.sockets = [s for s in self.sockets if not s.closed]
+        sock = self.ctx.socket(kind)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        """Close what is left at once (linger 0) and end the context; idempotent."""
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.sockets.clear()
+        if not self.ctx.closed:
+            self.ctx.term()
+
+
 class Peer(Closeable):
-    """The ZeroMQ context, socket and stop flag both ends share; close() stops serve first."""
+    """The ZeroMQ context, socket and stop flag both ends share; close() stops serve first.
+    One dropped without close() may leak until collected, and never hangs the collection."""
 
     _ctx: Any = None
     _sock: Any = None
@@ -221,7 +253,9 @@ class Peer(Closeable):
 
     def __init__(self) -> None:
         self._stop = threading.Event()
-        self._ctx = zmq.Context()
+        self._zmq = _Zmq()
+        self._ctx = self._zmq.ctx
+        self._forgotten = weakref.finalize(self, self._zmq.close)
 
     def start(self) -> threading.Thread:
         """Run serve() in a daemon thread; close() stops it. Returns the thread."""
@@ -275,7 +309,7 @@ class Peer(Closeable):
         self._close_socket()
         self._close_owned()
         if self._ctx is not None:
-            self._ctx.term()
+            self._forgotten()  # what is still open, and the context
             self._ctx = None
 
     def _close_owned(self) -> None:

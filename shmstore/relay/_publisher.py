@@ -96,7 +96,7 @@ class Publisher(Peer):
         super().__init__()
         try:
             self._reader = Channel.attach(channel, reader)
-            sock = self._ctx.socket(zmq.ROUTER)
+            sock = self._zmq.socket(zmq.ROUTER)
             self._sock = sock
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
             # per node: the window's messages, each sent at most twice (once more for a NEED),
@@ -106,7 +106,7 @@ class Publisher(Peer):
             # relays send headers only; a larger message disconnects its sender
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES + 1024)
             if server_keys is not None:
-                self._auth = ThreadAuthenticator(self._ctx)
+                self._auth = self._zmq.auth = ThreadAuthenticator(self._ctx)
                 self._auth.start()
                 self._auth.configure_curve_callback(
                     "*", credentials_provider=AllowList(set(allowed_clients or ())))

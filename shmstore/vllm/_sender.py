@@ -320,10 +320,12 @@ def _export_metrics(sender: ShmstoreSenderCache) -> Any:
     """shmstore_* metrics for vLLM's /metrics: the store's (from the API server that writes
     it) and each API server's own. With several API servers vLLM serves /metrics from
     prometheus_client's multiprocess files: the values are mirrored into them."""
-    try:
-        from ..metrics import StoreCollector, mirror_to_multiprocess, register_collector
+    try:  # vLLM ships prometheus_client; another embedder may not: then no metrics, no error
+        import prometheus_client  # noqa: F401  (metrics.py imports it only when it exports)
     except ImportError:
+        log.info("shmstore: prometheus_client is not installed: no shmstore_* metrics")
         return lambda: None
+    from ..metrics import StoreCollector, mirror_to_multiprocess, register_collector
     sources: list[Any] = [_SenderCollector(sender)]
     local = sender._writers.local
     if local is not None:  # the API server that writes the store reports it

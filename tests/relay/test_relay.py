@@ -7,6 +7,8 @@ address and key rules. Processes, kills and cut connections: test_relay_mp.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -746,3 +748,36 @@ def test_a_body_decode_accepts_is_stored_as_received_and_one_it_refuses_is_lost(
         assert relay.stats().lost == 2 and relay.serving
         assert relay.channel.store.is_cached(b"d" * 24)
         assert not relay.channel.store.is_cached(b"e" * 24)
+
+
+FORGOTTEN = """
+import gc, sys, time
+from shmstore import Channel
+from shmstore.relay import Publisher, PublisherSecurity, Relay, RelaySecurity
+name = sys.argv[1]
+writer = Channel.create(name, n_readers=1, capacity_bytes=1 << 20)
+publisher = Publisher(name, 0, "tcp://127.0.0.1:*", security=PublisherSecurity(plaintext=True))
+publisher.cycle = publisher
+relay = Relay(publisher.endpoint, name + "-n", n_readers=1, security=RelaySecurity(plaintext=True))
+relay.cycle = relay
+del publisher, relay
+gc.collect()
+print("collected", flush=True)
+writer.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_publisher_and_relay_dropped_in_a_cycle_never_hang_the_collection() -> None:
+    """Forgotten close() inside a reference cycle: the collection that finds them must return
+    (it blocked for ever in pyzmq's Context.term before). What they held may leak."""
+    from shmstore.cli._commands import remove
+
+    name = new_name("forgot")
+    try:
+        done = subprocess.run([sys.executable, "-c", FORGOTTEN, name], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0 and "collected" in done.stdout, done.stderr
+    finally:
+        for leaked in (f"{name}-n.queue", f"{name}-n.store"):  # the relay's channel: leaked
+            remove(leaked)

@@ -726,3 +726,16 @@ def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(nam
     finally:
         foreign.close_fd()
         foreign.unlink()
+
+
+def test_the_sender_starts_without_prometheus_client(name: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM ships prometheus_client, other embedders may not: the sender then serves without
+    metrics instead of failing to start."""
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    sender = ShmstoreSenderCache(config(name))
+    try:
+        out, _ = sender.get_and_update_item((image_item(3), []), "h3")
+        assert HANDLE_FIELD in out
+    finally:
+        sender.close()
