@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ._env import LEASE_ENV, LOG_NAME
@@ -14,7 +15,7 @@ from ._requests import RequestLedger, numbers_in
 from ._sender import SENDERS
 from ._vllm import install_hooks
 
-__all__ = ["install_request_hooks"]
+__all__ = ["install_request_hooks", "wrappers"]
 
 log = logging.getLogger(LOG_NAME)
 
@@ -47,10 +48,28 @@ def _feature_numbers(request: Any) -> list[int]:
             if (n := handout_number(getattr(f, "data", None))) is not None]
 
 
+def _tell(what: str, call: Callable[[], object]) -> None:
+    """Tell the ledgers what vLLM just did. vLLM has acted already (the request is added,
+    ended or routed): an error here (API server 0, which writes the store, is gone) is logged
+    and never raised into vLLM, where it would strand the request; the lease settles what
+    the ledger missed."""
+    try:
+        call()
+    except Exception as exc:
+        log.warning("shmstore: could not record that %s (%s); the lease settles its "
+                    "hand-outs", what, exc)
+
+
 def install_request_hooks() -> None:
     """Wrap the vLLM methods where a request is added, refused, finished or aborted (API
     process) and where a worker resolves a new request's items; a method this vLLM lacks is
     named in a warning, and the lease settles what it would have."""
+    install_hooks(wrappers(),
+                  f"hand-outs it would settle are settled by the lease ({LEASE_ENV})")
+
+
+def wrappers() -> dict[str, Callable[[Any], Any]]:
+    """The hook for each place of _vllm.HOOK_POINTS: original method in, wrapped one out."""
     import functools
 
     def add_request(original: Any) -> Any:
@@ -60,7 +79,8 @@ def install_request_hooks() -> None:
             numbers = _feature_numbers(request)
             if numbers:
                 for ledger in _ledgers():
-                    ledger.request_added(request.request_id, numbers)
+                    _tell(f"request {request.request_id} was added",
+                          functools.partial(ledger.request_added, request.request_id, numbers))
             return result
         return wrapper
 
@@ -69,7 +89,9 @@ def install_request_hooks() -> None:
         def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, req_state, *args, **kwargs)
             for ledger in _ledgers():
-                ledger.request_ended(req_state.request_id, aborted=False)
+                _tell(f"request {req_state.request_id} finished",
+                      functools.partial(ledger.request_ended, req_state.request_id,
+                                        aborted=False))
             return result
         return wrapper
 
@@ -79,7 +101,8 @@ def install_request_hooks() -> None:
             aborted = original(self, *args, **kwargs)
             for ledger in _ledgers():
                 for request_id in aborted or ():
-                    ledger.request_ended(request_id, aborted=True)
+                    _tell(f"request {request_id} was aborted",
+                          functools.partial(ledger.request_ended, request_id, aborted=True))
             return aborted
         return wrapper
 
@@ -92,7 +115,8 @@ def install_request_hooks() -> None:
                 ledgers = _ledgers()
                 numbers = numbers_in(prompt, handout_number) if ledgers else []
                 for ledger in ledgers:
-                    ledger.refused(numbers)
+                    _tell(f"request {request_id} was refused",
+                          functools.partial(ledger.refused, numbers))
                 raise
         return wrapper
 
@@ -120,7 +144,8 @@ def install_request_hooks() -> None:
                 return await original(*args, **kwargs)
             except BaseException:  # refused while rendering: never sent
                 for ledger in _ledgers():
-                    ledger.refused(rendered.numbers)
+                    _tell("a request was refused while rendering",
+                          functools.partial(ledger.refused, list(rendered.numbers)))
                 rendered.numbers.clear()
                 raise
         return wrapper
@@ -140,12 +165,13 @@ def install_request_hooks() -> None:
         def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             engine = original(self, request, *args, **kwargs)
             for sender in list(SENDERS):
-                sender.routed(request.request_id, int.from_bytes(engine, "little"))
+                _tell(f"request {request.request_id} went to engine {engine!r}",
+                      functools.partial(sender.routed, request.request_id,
+                                        int.from_bytes(engine, "little")))
             return engine
         return wrapper
 
-    install_hooks({"add_request": add_request, "engine_for_request": engine_for_request,
-                   "render_async": render_async, "process_tokens_async": process_tokens_async,
-                   "finish_request": finish_request, "abort_requests": abort_requests,
-                   "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache},
-                  f"hand-outs it would settle are settled by the lease ({LEASE_ENV})")
+    return {"add_request": add_request, "engine_for_request": engine_for_request,
+            "render_async": render_async, "process_tokens_async": process_tokens_async,
+            "finish_request": finish_request, "abort_requests": abort_requests,
+            "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache}

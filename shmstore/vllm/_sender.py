@@ -140,9 +140,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def release_sender_touches(self) -> None:
         with self._lock:
             touched, self._touched = self._touched, {}
-            for handle, _ in touched.values():
-                try:
-                    self._store.give_back(handle)
+            for handle, number in touched.values():
+                try:  # that hand-out, not the object's last (another server's, maybe narrowed)
+                    self._store.give_back(handle, number)
                 except StaleHandle:
                     pass  # cleared meanwhile: nothing to give back
 

@@ -739,3 +739,17 @@ def test_the_sender_starts_without_prometheus_client(name: str,
         assert HANDLE_FIELD in out
     finally:
         sender.close()
+
+
+def test_releasing_a_touch_gives_back_that_hand_out_not_the_objects_last(caches: Any) -> None:
+    """A touch left over (a failed merge) goes back by its number: a later hand-out of the same
+    object (another API server's, narrowed to its engine) stays owed."""
+    sender, _ = caches
+    sender.get_and_update_item((image_item(4), ["u"]), "h4")
+    assert sender.is_cached(["h4"]) == [True]  # the touch: a hand-out kept
+    store = sender.store
+    handle = store.handle_of("h4")
+    later = store.hand_out(handle) and store.handout_seq  # another server's, made after it
+    store.narrow(handle, later, [0])
+    sender.release_sender_touches()
+    store.give_back(handle, later)  # still there to give back: the touch went, not this one

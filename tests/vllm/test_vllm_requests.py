@@ -20,8 +20,9 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 
+from shmstore.handle import Handle
 from shmstore.vllm._env import LEASE_ENV, SETTLE_ENV
-from shmstore.vllm._items import HANDLE_FIELD, handout_number
+from shmstore.vllm._items import HANDLE_FIELD, handle_item, handout_number
 from shmstore.vllm._receiver import ShmstoreReceiverCache
 from shmstore.vllm._requests import numbers_in
 from shmstore.vllm._sender import ShmstoreSenderCache
@@ -188,3 +189,37 @@ def test_malformed_hand_out_numbers_are_not_numbers() -> None:
         data=[1, 2], field=image_item(0)["pixel_values"].field)})
     assert handout_number(junk) is None
     assert numbers_in({"a": [{"b": ["c"]}]}, handout_number) == []
+
+
+@pytest.mark.parametrize("hook", ["add_request", "finish_request", "abort_requests",
+                                  "engine_for_request"])
+def test_a_ledger_that_fails_after_vllm_acted_never_raises_into_vllm(hook: str, caplog) -> None:
+    """API server 0 (the store's writer) gone: telling the ledger fails, but vLLM's method has
+    run already; the request must not be stranded by an exception from the hook."""
+    from types import SimpleNamespace
+
+    from shmstore.errors import Closed
+    from shmstore.vllm import _hooks
+
+    class Gone:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*args: Any, **kwargs: Any) -> None:
+                raise Closed("the host of store 'x' went away")
+            return fail
+
+    handle = Handle(128, 1, b"d" * 16, 7)
+    request = SimpleNamespace(request_id="r1", mm_features=[
+        SimpleNamespace(data=handle_item(handle, b"i" * 24, 5))])
+    fake = SimpleNamespace(ledger=Gone(), routed=Gone().routed)
+    calls = {"add_request": ((None, request), "added"),
+             "finish_request": ((None, request), "finished"),
+             "abort_requests": ((None,), ["r1"]),
+             "engine_for_request": ((None, request), b"\x01\x00")}
+    args, result = calls[hook]
+    wrapped = _hooks.wrappers()[hook](lambda *a, **k: result)
+    _hooks.SENDERS.append(fake)
+    try:
+        assert wrapped(*args) == result
+    finally:
+        _hooks.SENDERS.remove(fake)
+    assert "could not record" in caplog.text
