@@ -91,6 +91,7 @@ from ._peer import (
     RelaySecurity,
     Timing,
     check_endpoint,
+    check_ipc_owner,
     generate_keys,
 )
 from ._publisher import NodeStats, Publisher, PublisherStats
@@ -171,6 +172,7 @@ class Relay(Peer):
         channel: NodeChannel | None = None,
     ) -> None:
         self.connect = check_endpoint(connect, allow_wildcard=False)
+        check_ipc_owner(self.connect)
         timing = (timing or Timing()).check()
         security = security or RelaySecurity()
         security.check(self.connect)
@@ -288,6 +290,9 @@ class Relay(Peer):
             sock.curve_secretkey = self._keys.secret
             sock.curve_publickey = self._keys.public
             sock.curve_serverkey = self._server_key
+        if self.connect.startswith("ipc://"):
+            check_ipc_owner(self.connect)  # again: the file may have been replaced
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)  # no silent reconnect to another file
         sock.connect(self.connect)
         self._sock = sock
         self._expect = self._waiting = None

@@ -24,7 +24,7 @@ from ..errors import (
 from ..shm._closeable import Closeable
 
 __all__ = ["CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing", "generate_keys",
-           "check_endpoint", "check_curve", "check_plaintext",
+           "check_endpoint", "check_ipc_owner", "check_curve", "check_plaintext",
            "AllowList", "Peer", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S", "DEFAULT_HEARTBEAT_S",
            "DEFAULT_MAX_NODES", "DEFAULT_ACK_TIMEOUT_S", "POLL_S", "MAX_HELD_IDS", "LINGER_MS"]
 
@@ -173,6 +173,25 @@ def check_endpoint(endpoint: str, allow_wildcard: bool) -> str:
                               "allow_wildcard=True (--allow-wildcard) on a trusted network",
                               "endpoint", endpoint)
     return endpoint
+
+
+def check_ipc_owner(endpoint: str) -> None:
+    """For an ipc:// endpoint, which needs no keys: refuse a socket file that another user
+    made (in a shared directory such as /tmp, whoever binds the path first could pose as the
+    Publisher). A path not there yet is the Publisher's to make."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint.removeprefix("ipc://")
+    try:
+        owner = os.lstat(path).st_uid
+    except OSError:
+        return
+    if owner != os.getuid():
+        raise InvalidArgument(
+            f"{endpoint}: the socket file belongs to uid {owner}, not to this user "
+            f"({os.getuid()}): another user may pose as the Publisher there; use a path in a "
+            "directory only this user can write, or tcp:// with CurveZMQ keys",
+            "endpoint", endpoint)
 
 
 def _unspecified(host: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -115,6 +116,8 @@ class Publisher(Peer):
                 sock.curve_publickey = server_keys.public
             sock.bind(bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self.endpoint.startswith("ipc://"):  # no keys there: only this user connects
+                os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
         except BaseException:
             self.close()
             raise

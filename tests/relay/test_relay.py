@@ -7,6 +7,8 @@ address and key rules. Processes, kills and cut connections: test_relay_mp.py.
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -781,3 +783,37 @@ def test_a_publisher_and_relay_dropped_in_a_cycle_never_hang_the_collection() ->
     finally:
         for leaked in (f"{name}-n.queue", f"{name}-n.store"):  # the relay's channel: leaked
             remove(leaked)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_an_ipc_socket_another_user_made_first_is_refused_and_a_publishers_is_private(
+        tmp_path) -> None:
+    """ipc:// needs no keys, so who owns the socket file is what says who the Publisher is."""
+    path = f"/tmp/shmstore-test-{os.getpid()}-{time.monotonic_ns()}.sock"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: another user binds the path first
+        os.close(read)
+        os.setgid(65534)
+        os.setuid(65534)
+        squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        squat.bind(path)
+        squat.listen(1)
+        os.write(write, b"bound")
+        time.sleep(30)
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 16) == b"bound"
+        with pytest.raises(InvalidArgument, match="belongs to uid 65534"):
+            Relay(f"ipc://{path}", new_name("ipc"), n_readers=1)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(read)
+        os.unlink(path)
+    name = new_name("ipcpub")
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 20), \
+            Publisher(name, 0, f"ipc://{tmp_path}/pub.sock") as publisher:
+        mode = os.stat(publisher.endpoint.removeprefix("ipc://")).st_mode & 0o777
+        assert mode == 0o600
