@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -60,8 +62,10 @@ class RemoteWriter(Closeable):
     _sock: socket.socket | None = None
     _ring: ShmRingBuffer | None = None
     _forked = False  # set in a child forked from the process that made this writer
+    _closing = False
 
     def __init__(self, name: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self._io = threading.RLock()  # one exchange on the socket at a time (and the watcher)
         self.name = name
         self.handout_seq = 0
         self._pid = os.getpid()
@@ -86,6 +90,8 @@ class RemoteWriter(Closeable):
         except BaseException:
             self.close()
             raise
+        threading.Thread(target=_watch, args=(weakref.ref(self), self._sock), daemon=True,
+                         name=f"shmstore-remote-{name}").start()
 
     def _connect(self, name: str) -> str | None:
         """Map the store's ring and connect to its host; why not, if it could not (yet)."""
@@ -122,6 +128,7 @@ class RemoteWriter(Closeable):
         the socket lets the host see the parent go when it goes (and take back what it
         lent), where a child holding it would keep the connection open."""
         self._forked = True
+        self._io = threading.RLock()  # the parent's may have been held by another thread
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()  # this process's descriptor only: the parent's connection stays
@@ -133,7 +140,8 @@ class RemoteWriter(Closeable):
         if sock is None:
             raise Closed(f"the remote writer of store {self.name!r} is closed")
         try:
-            send_frame(sock, request(op, *args, post=True))
+            with self._io:
+                send_frame(sock, request(op, *args, post=True))
         except OSError as exc:
             self.close()
             raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
@@ -144,8 +152,9 @@ class RemoteWriter(Closeable):
         if sock is None:
             raise Closed(f"the remote writer of store {self.name!r} is closed")
         try:
-            send_frame(sock, request(op, *args))
-            reply = recv_frame(sock)
+            with self._io:
+                send_frame(sock, request(op, *args))
+                reply = recv_frame(sock)
         except (OSError, ProtocolError) as exc:
             self.close()
             raise Closed(f"the host of store {self.name!r} went away ({exc})") from None
@@ -258,6 +267,10 @@ class RemoteWriter(Closeable):
                                   timeout)
         check_key(key)
         enc: Encoded = encode(obj)
+        with self._io:  # the ring stays mapped from the loan to its commit
+            return self._put(key, enc)
+
+    def _put(self, key: str | bytes, enc: Encoded) -> Handle:
         loan, offset = self._call("begin", key, enc.nbytes, enc.structure_crc)
         ring = self._ring
         try:
@@ -281,14 +294,51 @@ class RemoteWriter(Closeable):
         return self._sock is None
 
     def close(self) -> None:
-        """Disconnect and unmap (the host gives back any chunk lent and not committed)."""
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-        ring, self._ring = self._ring, None
-        if ring is not None:
-            ring.close()
+        """Disconnect and unmap (the host gives back any chunk lent and not committed);
+        idempotent. Also done by itself once the host goes away, idle or not."""
+        self._closing = True  # the watcher, woken by the shutdown, leaves quietly
+        sock = self._sock
+        if sock is not None and not self._forked:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._io:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                ring.close()
 
+
+
+def _watch(ref: weakref.ref[RemoteWriter], sock: socket.socket) -> None:
+    """Close the writer `ref` once its host goes away, even while it is idle: the host's
+    process died, and its unlinked segment must not stay mapped here (on a tight /dev/shm a
+    restarted writer would find no room). The host never speaks first: the socket is readable
+    between calls only when it closed."""
+    while True:
+        try:
+            select.select([sock], [], [])
+        except (OSError, ValueError):
+            return  # closed here
+        writer = ref()
+        if writer is None:
+            return
+        with writer._io:
+            if writer._sock is not sock or writer._closing:
+                return  # closed, or this is a forked child's copy
+            data: bytes | None = None  # nothing there: a reply, read by the call that waited
+            if select.select([sock], [], [], 0)[0]:  # (the socket's timeout makes recv wait)
+                try:
+                    data = sock.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    data = b""
+            if data is not None:  # closed, or bytes no call asked for: not a host of ours
+                log.warning("shmstore: the host of store %r went away; unmapping the store",
+                            writer.name)
+                writer.close()
+                return
+        del writer
 
 
 _LIVE: weakref.WeakSet[RemoteWriter] = weakref.WeakSet()  # this process's, for fork

@@ -273,3 +273,41 @@ def test_7_a_burst_of_ended_hand_outs_goes_in_frames_the_host_takes(hosted) -> N
     groups = [(h, [client.handout_seq])] * 30_000  # 30,000 groups: above one frame's worth
     assert client.end_handouts(groups) == [True] * 30_000
     assert client.is_cached("a")
+
+
+def host_main(name: str, ready) -> None:
+    writer = ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=1)
+    WriterHost(writer, threading.RLock())
+    ready.set()
+    time.sleep(60)
+
+
+def mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(f"/dev/shm/{name}" in line for line in maps)
+
+
+def test_an_idle_remote_writer_unmaps_the_store_once_its_host_is_gone(name: str) -> None:
+    """The writer's process dies and its segment is removed (vLLM's exit hook, or shmstore gc):
+    an API server that makes no call meanwhile must not keep the deleted segment mapped."""
+    from shmstore.shm._segment import Segment
+
+    ready = SPAWN.Event()
+    proc = SPAWN.Process(target=host_main, args=(name, ready))
+    proc.start()
+    try:
+        assert ready.wait(30)
+        client = RemoteWriter(name, connect_timeout_s=10)
+        assert mapped(name) and not client.closed
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        assert Segment.remove_stale(name)
+        deadline = time.monotonic() + 10
+        while mapped(name) or not client.closed:
+            assert time.monotonic() < deadline, "the idle client still maps the deleted store"
+            time.sleep(0.05)
+        client.close()  # idempotent
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        Segment.remove_stale(name)
