@@ -231,6 +231,7 @@ def test_4_5_close_races_and_use_after_close_never_crash(ordering: str) -> None:
     code = f"""
 import threading, time, numpy as np
 from shmstore import *
+from shmstore.errors import SegmentClosed
 name = {new_name("cl")!r}
 ends = []
 def spin(r, i):

@@ -248,11 +248,18 @@ class StoreWriter(StoreBase):
         Raises:
             KeyNotCached: the key was never put or has been evicted (put it again).
         """
-        found = self.hand_out_cached((key,))[0]
-        if found is None:
-            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
-                               "evicted or cleared): put it again", key)
-        return found[0]
+        check_key(key)
+        done: list[tuple[Entry, int]] = []
+        try:  # to the return: a hand-out whose handle never reached the caller is taken back
+            with self._call():
+                found = self._hit(key, done)
+                if found is None:
+                    raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
+                                       "evicted or cleared): put it again", key)
+                return found[0]
+        except BaseException:
+            HandOuts.undo(done)
+            raise
 
     def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
         """get_cached for each of `keys` that is cached, in one call: (its handle, the
