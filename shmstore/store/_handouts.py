@@ -33,12 +33,7 @@ class HandOuts:
         self.give_backs = 0
 
     def give_back(self, handle: Handle, number: int | None = None) -> None:
-        """Take back one hand-out of `handle` that no reader will read (an aborted request):
-        hand-out `number` if given (needed once hand-outs are narrowed), else the last one.
-
-        Raises:
-            StaleHandle: the object is gone, or has no such hand-out left to take back.
-        """
+        """Take back hand-out `number` of `handle` (else its last); StoreWriter.give_back says more."""
         entry = self._handed_out(handle)
         if number is not None and number not in entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out number {number} to give back in "
@@ -52,14 +47,7 @@ class HandOuts:
         entry.handouts.remove(number)  # last: if this line ran, the give-back is done
 
     def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
-        """Owe hand-out `number` of `handle` only by `readers` (reader indexes): for a
-        hand-out whose handle goes to some readers only, decided after it was made (the
-        engine a request goes to). A reader left out never pins the object for it.
-
-        Raises:
-            StaleHandle: the object is gone, or has no hand-out `number`.
-            ReaderIndexError: a reader index outside the store's readers.
-        """
+        """Owe hand-out `number` of `handle` only by `readers`; StoreWriter.narrow says more."""
         entry = self.live_entry(handle)
         mask = 0
         for r in readers:
@@ -74,16 +62,7 @@ class HandOuts:
         entry.narrowed[number] = mask
 
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
-        """Say that the hand-outs of each (handle, numbers) are over: whoever they were made
-        for will not read them any more (read or not). Once every hand-out of an object is
-        over, the store withdraws it when it needs the space even if readers still owe reads
-        on it (as withdraw() would; a late read fails loudly). Numbers an object does not have
-        are ignored, as are objects that are gone.
-
-        Returns:
-            for each group, whether its object is still live and owed reads by some reader
-            (the hand-outs just ended may be among the unread ones).
-        """
+        """Mark hand-outs over; StoreWriter.end_handouts says more."""
         owed = []
         for handle, numbers in groups:
             try:
@@ -97,21 +76,11 @@ class HandOuts:
         return owed
 
     def unread(self, handle: Handle) -> tuple[int, ...]:
-        """Reads each reader still owes on the object of `handle` (all zero once every hand-out
-        has been read or given back). No side effect.
-
-        Raises:
-            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
-        """
+        """Reads each reader still owes on the object of `handle`; no side effect."""
         return tuple(self._space.owed(self.live_entry(handle), force=False))
 
     def withdraw(self, handle: Handle) -> bool:
-        """Drop the object of `handle` now, even though readers still owe reads on it: for
-        hand-outs that will never be read (their requests ended) but that a reader may still
-        hold. Every handle of it becomes stale (a late read raises StaleHandle); its space is
-        reused once the ring reaches it and no reader is inside it. Return False (and do
-        nothing) if the object is gone already.
-        """
+        """Drop the object of `handle` now (False if it is gone); StoreWriter.withdraw says more."""
         try:
             entry = self.live_entry(handle)
         except StaleHandle:
@@ -120,24 +89,12 @@ class HandOuts:
         return True
 
     def hand_out(self, handle: Handle, done: list[tuple[Entry, int]]) -> Handle:
-        """Hand the object of `handle` out once more (one more read owed by every reader), as
-        get_cached does by key; also for an object clear(keep_handed_out=True) kept for its
-        readers. Not counted as a hit. The new hand-out's number is `handout_seq`.
-
-        Raises:
-            StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
-        """
+        """Hand the object of `handle` out once more (its number is then `seq`)."""
         self.make(self.live_entry(handle), done)
         return handle
 
     def hand_out_again(self, handle: Handle) -> Handle:
-        """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
-        writer that publishes its hand-outs in order (ChannelWriter.publish) and kept this one
-        a while before sending it (against eviction). Neither a hit nor a give-back.
-
-        Raises:
-            StaleHandle: as give_back.
-        """
+        """Renumber the last hand-out of `handle` as one made now; StoreWriter.hand_out_again says more."""
         entry = self._handed_out(handle)
         number = self.seq + 1
         entry.handouts[-1] = number  # one store: the kept hand-out becomes this one

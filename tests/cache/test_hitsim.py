@@ -84,6 +84,7 @@ def test_store_with_freq_keeps_a_hot_object_three_passes_then_lets_it_go(name: s
         w.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["zipf-0.8", "models"])
 @pytest.mark.parametrize("kind", SIM_KINDS)
 def test_replay_agrees_with_the_real_cache_request_by_request(kind: str, family: str) -> None:

@@ -287,6 +287,7 @@ def mapped(name: str) -> bool:
         return any(f"/dev/shm/{name}" in line for line in maps)
 
 
+@pytest.mark.slow
 def test_an_idle_remote_writer_unmaps_the_store_once_its_host_is_gone(name: str) -> None:
     """The writer's process dies and its segment is removed (vLLM's exit hook, or shmstore gc):
     an API server that makes no call meanwhile must not keep the deleted segment mapped."""
