@@ -275,6 +275,9 @@ class Peer(Closeable):
         self._zmq = _Zmq()
         self._ctx = self._zmq.ctx
         self._forgotten = weakref.finalize(self, self._zmq.close)
+        # not at interpreter exit: exit handlers registered before it (vLLM's shutdown, which
+        # ends the head's channel and lets its Publisher send END) must run while it serves
+        self._forgotten.atexit = False
 
     def start(self) -> threading.Thread:
         """Run serve() in a daemon thread; close() stops it. Returns the thread."""
