@@ -57,7 +57,7 @@ from ._wire import (
 )
 from ._writer import Lender, StoreWriter
 
-__all__ = ["WriterHost", "host_address", "peer_uid", "MAX_KEYS"]
+__all__ = ["WriterHost", "host_address", "peer_uid", "readable", "MAX_KEYS"]
 
 log = logging.getLogger("shmstore")
 MAX_CLIENTS = 64  # connections one host serves at once
@@ -85,6 +85,14 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process that connected `sock` (SO_PEERCRED)."""
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     return int(pid), int(uid)
+
+
+def readable(sock: socket.socket, timeout_s: float | None) -> bool:
+    """Whether `sock` has something to read (or was closed) within `timeout_s` (None: wait).
+    poll, not select: a server process may hold descriptors above select's 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
 
 
 class WriterHost(Closeable):
@@ -179,7 +187,7 @@ class WriterHost(Closeable):
         them back) once the process that connected is gone, even if a child it forked still
         holds the socket open."""
         while not self._closing:
-            if select.select([sock], [], [], PEER_CHECK_S)[0]:
+            if readable(sock, PEER_CHECK_S):
                 return True
             if not pid_alive(pid):
                 log.warning("shmstore: store %r: client process %d is gone with %d chunk(s) "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -32,7 +31,7 @@ from ..shm._closeable import Closeable
 from ..shm._ring import ShmRingBuffer
 from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline
-from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid
+from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid, readable
 from ._wire import (
     KEY,
     MAX_GROUPS,
@@ -318,7 +317,7 @@ def _watch(ref: weakref.ref[RemoteWriter], sock: socket.socket) -> None:
     between calls only when it closed."""
     while True:
         try:
-            select.select([sock], [], [])
+            readable(sock, None)
         except (OSError, ValueError):
             return  # closed here
         writer = ref()
@@ -328,7 +327,7 @@ def _watch(ref: weakref.ref[RemoteWriter], sock: socket.socket) -> None:
             if writer._sock is not sock or writer._closing:
                 return  # closed, or this is a forked child's copy
             data: bytes | None = None  # nothing there: a reply, read by the call that waited
-            if select.select([sock], [], [], 0)[0]:  # (the socket's timeout makes recv wait)
+            if readable(sock, 0):  # (the socket's timeout would make recv wait)
                 try:
                     data = sock.recv(1, socket.MSG_PEEK)
                 except OSError:

@@ -312,3 +312,29 @@ def test_an_idle_remote_writer_unmaps_the_store_once_its_host_is_gone(name: str)
         if proc.is_alive():
             proc.kill()
         Segment.remove_stale(name)
+
+
+def test_descriptors_above_1024_are_served(name: str) -> None:
+    """A server process (vLLM's API server with its HTTP connections) may hold more than 1024
+    descriptors: the host's and the client's waits use poll, which select cannot replace."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"this machine allows {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        with ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=1) as writer:
+            host = WriterHost(writer, threading.RLock())
+            try:
+                with RemoteWriter(name, connect_timeout_s=5) as client:
+                    assert client._sock.fileno() > 1024
+                    for i in range(3):  # lent, written, committed: the host waits on poll
+                        assert writer.unread(client.put(f"k{i}", blob(i))) == (1,)
+            finally:
+                host.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
