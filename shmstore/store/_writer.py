@@ -251,12 +251,15 @@ class StoreWriter(StoreBase):
         check_key(key)
         done: list[tuple[Entry, int]] = []
         try:  # to the return: a hand-out whose handle never reached the caller is taken back
-            with self._call():
+            self._guard_enter()  # not _call(): the hit path, no generator per call
+            try:
                 found = self._hit(key, done)
                 if found is None:
                     raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
                                        "evicted or cleared): put it again", key)
                 return found[0]
+            finally:
+                self._guard_leave()
         except BaseException:
             HandOuts.undo(done)
             raise

@@ -53,46 +53,25 @@ def blob(i: int, nbytes: int = 40 * KIB) -> np.ndarray:
     return np.full(nbytes, i % 256, dtype=np.uint8)
 
 
-def as_nobody(work) -> str:
-    """Run `work()` in a forked child that became user nobody; return what it returned."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(read)
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            out = work()
-        except BaseException as exc:
-            out = f"raised {type(exc).__name__}: {exc}"
-        os.write(write, str(out).encode()[:4000])
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        out = f.read()
-    os.waitpid(pid, 0)
-    return out
-
-
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
 def test_1_another_user_cannot_take_the_hosts_socket_name_first(name: str) -> None:
     """Another user who binds every name it can know of first (the one 0.2 used, and what it
     can read of the segment) does not keep the owner's host from starting."""
     with ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=1) as writer:
-        holder: list[socket.socket] = []
+        bound: list[socket.socket] = []  # the squatted name stays bound while the child lives
 
         def squat() -> str:
+            """Bind the owner's old, predictable name, then try to read the epoch the new
+            name derives from."""
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind(f"\0shmstore.writer.0.{name}")  # the owner's old, predictable name
+            sock.bind(f"\0shmstore.writer.0.{name}")
             sock.listen(1)
-            holder.append(sock)
+            bound.append(sock)
             try:
                 open(f"/dev/shm/{name}", "rb").read(64)
                 return "read the segment"
             except PermissionError:
                 return "no epoch"
-            finally:
-                time.sleep(0)  # the socket stays bound while the child lives
 
         read, write = os.pipe()
         pid = os.fork()
