@@ -30,7 +30,7 @@ from ._types import (
     torch_dtype_table,
 )
 
-__all__ = ["decode", "check_body"]
+__all__ = ["decode", "check_body", "peek"]
 
 
 class _TupleMark:
@@ -169,6 +169,20 @@ def check_body(body: memoryview) -> None:
         CorruptObject: as decode().
     """
     _unpack(body, _Decoder(body, copy=False, build=False), None, b"")
+
+
+def peek(body: memoryview, field: str, *, expected_crc: int, crc_suffix: bytes = b"",
+         max_bytes: int) -> bytes | None:
+    """The bytes under `field` of the top-level map `body` holds, without building any array
+    or tensor: every check of decode() is made, the structure's CRC included. None when the
+    structure is not a map, has no such field, or it is not bytes of at most `max_bytes`.
+
+    Raises:
+        CorruptObject: as decode().
+    """
+    value = _unpack(body, _Decoder(body, copy=False, build=False), expected_crc, crc_suffix)
+    found = value.get(field) if type(value) is dict else None
+    return found if type(found) is bytes and len(found) <= max_bytes else None
 
 
 def _unpack(body: memoryview, dec: _Decoder, expected_crc: int | None,

@@ -42,6 +42,10 @@ class WriterAPI(Protocol):
     def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
         """get_cached for each cached key in one call: (handle, hand-out number) or None."""
 
+    def peek_cached(self, keys: Iterable[str | bytes], field: str
+                    ) -> list[tuple[Handle, int, bytes | None] | None]:
+        """hand_out_cached, with the bytes under `field` of each object's top-level map."""
+
     def is_cached(self, key: str | bytes) -> bool:
         """Whether `key` is cached; no side effect."""
 

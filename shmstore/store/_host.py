@@ -225,6 +225,9 @@ class WriterHost(Closeable):
             "get_cached": lambda a, _: self._handed(a[0], (w.get_cached(a[0]), w.handout_seq)),
             "hand_out_cached": lambda a, _: [None if found is None else self._handed(key, found)
                                              for key, found in zip(a[0], w.hand_out_cached(a[0]))],
+            "peek_cached": lambda a, _: [
+                None if found is None else [*self._handed(key, found[:2]), found[2]]
+                for key, found in zip(a[0], w.peek_cached(a[0], a[1]))],
             "handle_of": lambda a, _: _maybe_handle(w.handle_of(a[0])),
             "object_id": lambda a, _: w.object_id(a[0]),
             "give_back": lambda a, _: w.give_back(a[0], a[1]),

@@ -36,8 +36,10 @@ from ._wire import (
     KEY,
     MAX_GROUPS,
     MAX_KEYS,
+    MAX_PEEK_BYTES,
     OPS,
     PROTOCOL,
+    check_field,
     handle_from_wire,
     int_list,
     rebuild_error,
@@ -201,24 +203,37 @@ class RemoteWriter(Closeable):
     def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
         """get_cached for each of `keys` that is cached, in one round trip: (its handle, the
         hand-out's number), or None for a key that is not cached."""
-        keys = list(keys)
+        return [None if f is None else (f[0], f[1])
+                for f in self._hand_outs("hand_out_cached", list(keys))]
+
+    def peek_cached(self, keys: Iterable[str | bytes], field: str
+                    ) -> list[tuple[Handle, int, bytes | None] | None]:
+        """As StoreWriter.peek_cached, in one round trip."""
+        return self._hand_outs("peek_cached", list(keys), check_field(field))
+
+    def _hand_outs(self, op: str, keys: list[str | bytes], *extra: Any
+                   ) -> list[tuple[Handle, int, bytes | None] | None]:
         if len(keys) > MAX_KEYS:
-            raise InvalidArgument(f"hand_out_cached takes at most {MAX_KEYS} keys at once, got "
+            raise InvalidArgument(f"{op} takes at most {MAX_KEYS} keys at once, got "
                                   f"{len(keys)}: split them", "keys", len(keys))
         for key in keys:
             check_key(key)
-        found = self._call("hand_out_cached", keys)
-        if not isinstance(found, list) or len(found) != len(keys):
+        found = self._call(op, keys, *extra)
+        width = 4 if extra else 3
+        if (not isinstance(found, list) or len(found) != len(keys)
+                or any(f is not None and (not isinstance(f, list) or len(f) != width)
+                       for f in found)
+                or (extra and any(f is not None and not _peeked(f[3]) for f in found))):
             self.close()
             raise Closed(f"the host of store {self.name!r} sent a malformed reply")
-        out: list[tuple[Handle, int] | None] = []
+        out: list[tuple[Handle, int, bytes | None] | None] = []
         for key, f in zip(keys, found, strict=True):
             if f is None:
                 out.append(None)
                 continue
-            handle, number, object_id = f
-            out.append((handle_from_wire(handle), int_list([number], "number")[0]))
-            self.handout_seq, self._last_id = number, (key, object_id)
+            number = int_list([f[1]], "number")[0]
+            out.append((handle_from_wire(f[0]), number, f[3] if extra else None))
+            self.handout_seq, self._last_id = number, (key, f[2])
         return out
 
     def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
@@ -355,3 +370,7 @@ if TYPE_CHECKING:  # mypy checks that RemoteWriter meets the one writer interfac
     from ._api import WriterAPI
 
     _MEETS_WRITER_API: type[WriterAPI] = RemoteWriter
+
+
+def _peeked(record: Any) -> bool:
+    return record is None or (type(record) is bytes and len(record) <= MAX_PEEK_BYTES)

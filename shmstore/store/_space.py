@@ -144,7 +144,7 @@ class Space:
                 self.withdrawn += 1
                 self.evict(entry)
             elif any(owed):
-                if not (force and self._damaged_in_shm(entry)):
+                if not (force and self.damaged_in_shm(entry)):
                     return tuple(r for r, n in enumerate(owed) if n)
                 log.warning("store %r: object seq %d (key %r) is damaged in shared memory and "
                             "cannot be read; dropping it", self.name, chunk.seq, entry.key)
@@ -220,7 +220,7 @@ class Space:
         """Reads each reader still owes on `entry`."""
         return self.ledger.owed(entry.handouts, entry.chunk.address, force, entry.narrowed)
 
-    def _damaged_in_shm(self, entry: Entry) -> bool:
+    def damaged_in_shm(self, entry: Entry) -> bool:
         """Whether the chunk or object header in shared memory differs from what was written."""
         ring = self.ring
         if not ring.header_intact(entry.chunk):

@@ -55,20 +55,23 @@ from ..errors import (
 )
 from ..handle import Handle, check_key
 
-__all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_GROUPS", "OPS", "POSTABLE", "ERRORS",
+__all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GROUPS", "OPS",
+           "POSTABLE", "ERRORS", "check_field",
            "Op", "send_frame", "recv_frame", "request", "parse_request", "handle_to_wire",
            "handle_from_wire", "int_list", "error_reply", "rebuild_error"]
 
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
-MAX_KEYS = 1024  # keys in one hand_out_cached or cached call
+MAX_KEYS = 1024  # keys in one hand_out_cached, peek_cached or cached call
+MAX_PEEK_BYTES = 768  # a peeked record: MAX_KEYS of them with their hand-outs fit a frame
+MAX_FIELD_CHARS = 64  # the name of a peeked field
 MAX_GROUPS = 4096  # (handle, numbers) groups in one end_handouts frame; the client splits
 MAX_ERROR_CHARS = 4096  # an error message is cut here (a key quoted in it may be 1 MiB)
 MAX_FIELD_BYTES = 4096  # an error's str/bytes attribute longer than this goes as None
 LENGTH = struct.Struct("<I")
 
-KEY, KEYS, HANDLE, NUMBER, MAYBE_NUMBER, NUMBERS, GROUPS, FLAG = (
-    "key", "keys", "handle", "number", "number?", "numbers", "groups", "flag")
+KEY, KEYS, HANDLE, NUMBER, MAYBE_NUMBER, NUMBERS, GROUPS, FLAG, FIELD = (
+    "key", "keys", "handle", "number", "number?", "numbers", "groups", "flag", "field")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ OPS: dict[str, Op] = {
     "cached": Op((KEYS,)),
     "get_cached": Op((KEY,)),  # -> [handle, hand-out number, object id]
     "hand_out_cached": Op((KEYS,)),  # -> per key: [handle, number, object id] or None
+    "peek_cached": Op((KEYS, FIELD)),  # -> per key: [handle, number, object id, bytes?] or None
     "handle_of": Op((KEY,)),
     "object_id": Op((KEY,)),
     "give_back": Op((HANDLE, MAYBE_NUMBER), postable=True),
@@ -216,6 +220,20 @@ def _groups(value: Any) -> list[tuple[Handle, list[int]]]:
     return [(_handle_arg(h), _numbers(n)) for h, n in value]
 
 
+def check_field(field: Any) -> str:
+    """A peeked field's name: a str of 1 to MAX_FIELD_CHARS characters (InvalidArgument)."""
+    if type(field) is not str or not 0 < len(field) <= MAX_FIELD_CHARS:
+        raise InvalidArgument(f"a peeked field is named by a str of 1 to {MAX_FIELD_CHARS} "
+                              f"characters, got {str(field)[:80]!r}", "field", None)
+    return field
+
+
+def _field(value: Any) -> str:
+    if type(value) is not str or len(value) > MAX_FIELD_CHARS:
+        raise ProtocolError(f"a field is a str of at most {MAX_FIELD_CHARS} characters")
+    return check_field(value)  # an empty one is answered (InvalidArgument)
+
+
 def _flag(value: Any) -> bool:
     if type(value) is not bool:
         raise ProtocolError("a flag is true or false")
@@ -231,6 +249,7 @@ _FROM_WIRE: dict[str, Callable[[Any], Any]] = {
     NUMBERS: _numbers,
     GROUPS: _groups,
     FLAG: _flag,
+    FIELD: _field,
 }
 _TO_WIRE: dict[str, Callable[[Any], Any]] = {
     HANDLE: handle_to_wire,

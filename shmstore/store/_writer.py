@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 
 from ..errors import (
+    CorruptObject,
     KeyExists,
     KeyNotCached,
     ObjectTooLarge,
@@ -41,6 +42,7 @@ from ..errors import (
 )
 from ..handle import Handle, check_key, key_digest
 from ..serde._codec import Encoded, blank_key, encode
+from ..serde._decode import peek
 from ..shm._closeable import CallGuard
 from ..shm._readers import Liveness
 from ..shm._ring import RingWriter
@@ -53,6 +55,7 @@ from ._layout import META_HANDOUT_SEQ, OBJECT_HEADER, ROW_CORRUPT_READS, U64
 from ._ledger import ReaderLedger
 from ._policy import EvictionPolicy
 from ._space import Space
+from ._wire import MAX_PEEK_BYTES, check_field
 
 __all__ = ["StoreWriter", "Reservation", "Lender"]
 
@@ -280,6 +283,49 @@ class StoreWriter(StoreBase):
             self._guard_enter()
             try:
                 return [self._hit(key, done) for key in keys]
+            finally:
+                self._guard_leave()
+        except BaseException:
+            HandOuts.undo(done)
+            raise
+
+    def peek_cached(self, keys: Iterable[str | bytes], field: str
+                    ) -> list[tuple[Handle, int, bytes | None] | None]:
+        """hand_out_cached, and for each hand-out the bytes under `field` of the object's
+        top-level map (a small record stored beside the arrays: the structure is read and its
+        CRC checked, no array is touched). The bytes are None when the object has no such
+        field or it is over MAX_PEEK_BYTES. An object whose structure is damaged is not handed
+        out (None, as if not cached): its readers would give it up.
+
+        Raises:
+            InvalidKey: a key that is not a non-empty str or bytes (nothing was handed out).
+            InvalidArgument: `field` is not a str of 1 to 64 characters.
+        """
+        keys = list(keys)
+        for key in keys:
+            check_key(key)
+        check_field(field)
+        done: list[tuple[Entry, int]] = []
+        out: list[tuple[Handle, int, bytes | None] | None] = []
+        try:
+            self._guard_enter()
+            try:
+                for key in keys:
+                    entry = self._index.lookup(key)
+                    found = None
+                    if entry is not None and not self._space.damaged_in_shm(entry):
+                        body = self._writer_ring.payload(entry.chunk)[
+                            self._header_bytes:self._header_bytes + entry.nbytes]
+                        try:
+                            record = peek(body, field, expected_crc=entry.crc,
+                                          crc_suffix=U64.pack(entry.nbytes),
+                                          max_bytes=MAX_PEEK_BYTES)
+                        except CorruptObject:
+                            pass
+                        else:
+                            found = self._hit(key, done)
+                    out.append(None if found is None else (*found, record))
+                return out
             finally:
                 self._guard_leave()
         except BaseException:

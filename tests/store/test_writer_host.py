@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -286,3 +287,72 @@ def test_a_second_host_and_a_missing_host(hosted, name: str) -> None:
     assert client.closed
     with pytest.raises(Closed):
         client.is_cached("a")
+
+
+def _structure_byte(writer: ObjectStore, key: str) -> memoryview:
+    """The object's payload from its body on, in shared memory (the writer's view)."""
+    entry = writer._index.by_key[key]
+    return writer._writer_ring.payload(entry.chunk)[writer._header_bytes:]
+
+
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_peek_cached_reads_a_record_beside_the_arrays_and_hands_out_the_hits(hosted,
+                                                                            side) -> None:
+    writer, _, client, readers, lock = hosted
+    store = client if side == "remote" else writer
+    with lock:
+        a = writer.put("a", {"x": blob(1), "rec": b"\x01record"})
+        b = writer.put("b", {"x": blob(2)})  # no record
+        c = writer.put("c", {"x": blob(3), "rec": b"r" * (_wire.MAX_PEEK_BYTES + 1)})
+        d = writer.put("d", [b"not a map"])
+        e = writer.put("e", {"x": blob(5), "rec": "a str, not bytes"})
+    with lock if side == "local" else contextlib.nullcontext():
+        found = store.peek_cached(["a", "missing", "b", "c", "d", "e"], "rec")
+    assert found[1] is None
+    assert [(f[0], f[2]) for f in found if f] == [
+        (a, b"\x01record"), (b, None), (c, None), (d, None), (e, None)]
+    numbers = [f[1] for f in found if f]
+    assert numbers == list(range(6, 11)) and store.handout_seq == 10
+    assert writer.unread(a) == (2, 2)  # handed out, as hand_out_cached does
+    with lock if side == "local" else contextlib.nullcontext():
+        for handle, number in zip((a, b, c, d, e), numbers):
+            store.give_back(handle, number)
+    with pytest.raises(InvalidArgument, match="field"):
+        store.peek_cached(["a"], "")
+    with pytest.raises(InvalidArgument, match="field"):
+        store.peek_cached(["a"], "f" * 65)
+    with pytest.raises(InvalidKey):
+        store.peek_cached(["a", ""], "rec")
+    assert writer.unread(a) == (1, 1)  # nothing handed out by the refused calls
+    for r in readers:
+        assert r.get(a)["rec"] == b"\x01record"
+
+
+def test_peek_cached_never_hands_out_an_object_whose_structure_is_damaged(hosted) -> None:
+    writer, _, client, readers, lock = hosted
+    with lock:
+        a = writer.put("a", {"x": blob(1), "rec": b"record"})
+    body = _structure_byte(writer, "a")
+    at = bytes(body[:200]).index(b"record")
+    for where in (at, 20):  # the record's bytes; the buffer table
+        body[where] ^= 0xFF
+        assert client.peek_cached(["a"], "rec") == [None]  # the CRC says damaged
+        assert writer.unread(a) == (1, 1)  # no hand-out made
+        body[where] ^= 0xFF
+    assert client.peek_cached(["a"], "rec")[0][2] == b"record"
+
+
+def test_a_host_sending_a_bad_peek_reply_closes_the_client(hosted, monkeypatch) -> None:
+    writer, _, client, _, lock = hosted
+    with lock:
+        handle = writer.put("a", {"rec": b"x"})
+    wire_handle = _wire.handle_to_wire(handle)
+    for reply in ([[wire_handle, 2, b"id", "a str"]],  # a record that is not bytes
+                  [[wire_handle, 2, b"id", b"r" * (_wire.MAX_PEEK_BYTES + 1)]],  # too long
+                  [[wire_handle, 2, b"id"]]):  # too short
+        monkeypatch.setattr(client, "_call", lambda *a, r=reply: r)
+        with pytest.raises(Closed, match="malformed"):
+            client.peek_cached(["a"], "rec")
+        monkeypatch.undo()
+        client = RemoteWriter(writer.name, connect_timeout_s=5)
+    client.close()
