@@ -15,6 +15,7 @@ Shapes, as `Deployment.shape` names them:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -34,15 +35,17 @@ from ._env import (
     ALLOW_ENV,
     INSECURE_ENV,
     KEYS_ENV,
+    LAZY_IMAGES_ENV,
     LEASE_ENV,
     LOG_NAME,
     METRICS_DIR_ENV,
     POLICY_ENV,
     PUBLISH_ENV,
     SETTLE_ENV,
+    SHARE_UPDATES_ENV,
     WAIT_ENV,
 )
-from ._vllm import buffer_name, world_local_rank
+from ._vllm import buffer_name, vllm_version, world_local_rank
 
 __all__ = ["Deployment", "Writers", "open_writer", "local_rank"]
 
@@ -79,6 +82,10 @@ class Deployment:
     allow: tuple[str, ...]  # relays' public key files
     insecure: bool  # plain TCP, no keys
     metrics_multiprocess: bool  # vLLM serves /metrics from prometheus_client's files
+    lazy_images: bool  # a hit never decodes its image (_images.py)
+    share_updates: bool  # prompt-update records beside the tensors (_records.py)
+    processor_identity: bytes  # vLLM version, model, tokenizer, processor config: 16 bytes
+    vocab_size: int  # token ids in a record are below it (0: unknown)
 
     @classmethod
     def read(cls, vllm_config: Any) -> Deployment:
@@ -118,7 +125,11 @@ class Deployment:
             publish=env.get(PUBLISH_ENV, "").strip(), keys_file=env.get(KEYS_ENV, "").strip(),
             allow=tuple(p.strip() for p in env.get(ALLOW_ENV, "").split(":") if p.strip()),
             insecure=env_switch(INSECURE_ENV, False),
-            metrics_multiprocess=bool(env.get(METRICS_DIR_ENV)))
+            metrics_multiprocess=bool(env.get(METRICS_DIR_ENV)),
+            lazy_images=env_switch(LAZY_IMAGES_ENV, True),
+            share_updates=env_switch(SHARE_UPDATES_ENV, True),
+            processor_identity=_processor_identity(vllm_config.model_config, mm),
+            vocab_size=_vocab_size(vllm_config.model_config))
 
     @property
     def n_readers(self) -> int:
@@ -149,6 +160,39 @@ class Deployment:
         header = peek_header(name)
         engines = max(1, header[1] // self.per_engine) if header is not None else 1
         return self.engine % engines * self.per_engine
+
+
+def _processor_identity(model: Any, mm: Any) -> bytes:
+    """What makes an item's prompt updates besides its bytes and the request's kwargs, as 16
+    bytes that every API server of one deployment computes alike."""
+    import blake3
+
+    parts = [vllm_version(), *(getattr(model, field, None) for field in (
+        "model", "revision", "tokenizer", "tokenizer_revision", "hf_overrides",
+        "trust_remote_code")), getattr(mm, "mm_processor_kwargs", None)]
+    text = json.dumps([_stable(p) for p in parts], sort_keys=True, default=_stable)
+    return blake3.blake3(text.encode()).digest()[:16]
+
+
+def _stable(value: Any) -> Any:
+    """`value` as JSON that is the same in every process (a function by its name, not its
+    address)."""
+    if isinstance(value, dict):
+        return {str(k): _stable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_stable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    return f"{type(value).__qualname__}:{value}"
+
+
+def _vocab_size(model: Any) -> int:
+    try:
+        return int(model.get_vocab_size())
+    except Exception:  # a configuration without a tokenizer's size: ids bounded by 2**31
+        return 0
 
 
 def local_rank() -> int:

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ._env import LEASE_ENV, LOG_NAME
+from ._images import realize, unrealized
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
 from ._requests import RequestLedger, numbers_in
-from ._sender import SENDERS
+from ._sender import SENDERS, ShmstoreSenderCache
 from ._vllm import install_hooks
 
 __all__ = ["install_request_hooks", "wrappers"]
@@ -171,7 +172,40 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
             return engine
         return wrapper
 
+    def cached_apply(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            cache = getattr(inputs, "cache", None)
+            if not isinstance(cache, ShmstoreSenderCache):
+                return original(self, inputs, *args, **kwargs)
+            token = cache.processing(getattr(inputs, "hf_processor_mm_kwargs", None))
+            undecoded = 0
+            try:
+                result = original(self, inputs, *args, **kwargs)
+                undecoded = unrealized(getattr(inputs, "mm_data_items", None))
+                return result
+            finally:
+                cache.processed(token, undecoded)
+        return wrapper
+
+    def missing_items(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            is_cached, missing = original(self, *args, **kwargs)
+            realize(missing)  # the processor reads these: vLLM's own decode, its own errors
+            return is_cached, missing
+        return wrapper
+
+    def uncached_apply(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            realize(getattr(inputs, "mm_data_items", None))
+            return original(self, inputs, *args, **kwargs)
+        return wrapper
+
     return {"add_request": add_request, "engine_for_request": engine_for_request,
             "render_async": render_async, "process_tokens_async": process_tokens_async,
             "finish_request": finish_request, "abort_requests": abort_requests,
-            "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache}
+            "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache,
+            "cached_apply": cached_apply, "missing_items": missing_items,
+            "uncached_apply": uncached_apply}

@@ -2,6 +2,9 @@
 
 Sender (API process, "P0"), one per engine::
 
+    is_cached(hs)              one round trip: the hits are handed out (pinned) and, for an
+                               item another API server processed, its prompt-update record
+                               read from the store (_records.py): no HF processor here
     is_cached_item(h)          store.is_cached: no side effect
     touch_sender_cache_item(h) a cached item is handed out now and the hand-out kept: it cannot
                                be evicted until get_and_update_item uses it or
@@ -17,6 +20,7 @@ Sender (API process, "P0"), one per engine::
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Sequence
@@ -33,6 +37,7 @@ from ..errors import (
 from ..handle import Handle
 from ..store._api import WriterAPI
 from ..store._host import MAX_KEYS
+from . import _images
 from ._deployment import Deployment, open_writer
 from ._env import LOG_NAME
 from ._items import (
@@ -42,8 +47,14 @@ from ._items import (
     object_id_from_item,
 )
 from ._nodes import HeadPublisher
+from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
 from ._requests import RequestLedger
-from ._vllm import BaseMultiModalProcessorCache, CacheInfo, MultiModalCacheMissError
+from ._vllm import (
+    BaseMultiModalProcessorCache,
+    CacheInfo,
+    MultiModalCacheMissError,
+    kwargs_digest,
+)
 
 __all__ = ["ShmstoreSenderCache", "SENDERS"]
 
@@ -51,6 +62,11 @@ log = logging.getLogger(LOG_NAME)
 
 PRUNE_UPDATES = 64  # prompt updates kept beyond twice those of cached items before a prune
 SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
+REFUSALS = ("missing", "version", "fingerprint", "damaged")  # RecordRefused.reason
+# the fingerprint of the request being processed in this context (set by the processor hook
+# around vLLM's cached processing; None outside it: no record is written or read)
+_FINGERPRINT: contextvars.ContextVar[bytes | None] = contextvars.ContextVar(
+    "shmstore_fingerprint", default=None)
 
 
 class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
@@ -77,6 +93,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                                     lock=self._lock)
         self.segment, self.api_server = d.name, d.api_rank
         self.items = dict.fromkeys(("hit", "shared", "stored", "inline"), 0)
+        self.skipped = dict.fromkeys(("decode", "processor"), 0)
+        self.refused = dict.fromkeys(REFUSALS, 0)
+        self.lazy_images = d.lazy_images and _images.install()
         self._unregister_metrics = _export_metrics(self)
         SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
@@ -109,6 +128,24 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def _is_touched(self, handle: Handle) -> bool:
         return any(kept == handle for kept, _ in self._touched.values())
 
+    def processing(self, hf_processor_mm_kwargs: Any) -> contextvars.Token[bytes | None]:
+        """vLLM starts processing a request with these kwargs in this context: records are
+        written and read with its fingerprint until `processed(token)`."""
+        fingerprint = None
+        if self.deployment.share_updates:
+            try:
+                fingerprint = blake3_16(self.deployment.processor_identity
+                                        + kwargs_digest(hf_processor_mm_kwargs or {}))
+            except Exception as exc:  # kwargs vLLM's hasher cannot take: nothing shared
+                log.debug("shmstore: no prompt-update records for kwargs (%s)", exc)
+        return _FINGERPRINT.set(fingerprint)
+
+    def processed(self, token: contextvars.Token[bytes | None], undecoded: int) -> None:
+        """The request's processing ended; `undecoded` of its images were never decoded."""
+        _FINGERPRINT.reset(token)
+        with self.ledger.lock:
+            self.skipped["decode"] += undecoded
+
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
         with self._lock:
@@ -120,14 +157,34 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         server's host), so they are pinned from here on and the touches cost nothing. Hand-outs
         a request never uses (its processing failed) go back at the next release."""
         with self._lock:
-            want = list(dict.fromkeys(h for h in mm_hashes
-                                      if h in self._updates and h not in self._touched))
-            if want:
-                found = [f for i in range(0, len(want), MAX_KEYS)
+            fingerprint = _FINGERPRINT.get()
+            want = list(dict.fromkeys(h for h in mm_hashes if h not in self._touched and (
+                fingerprint is not None or h in self._updates)))
+            found: list[tuple[Handle, int, bytes | None] | None] = []
+            if want and fingerprint is None:
+                found = [None if f is None else (*f, None) for i in range(0, len(want), MAX_KEYS)
                          for f in self._store.hand_out_cached(want[i:i + MAX_KEYS])]
-                for mm_hash, hit in zip(want, found, strict=True):
-                    if hit is not None:
-                        self._touched[mm_hash] = hit
+            elif want:
+                found = [f for i in range(0, len(want), MAX_KEYS) for f in
+                         self._store.peek_cached(want[i:i + MAX_KEYS], RECORD_FIELD)]
+            for mm_hash, hit in zip(want, found, strict=True):
+                if hit is None:
+                    continue
+                handle, number, record = hit
+                if mm_hash not in self._updates:
+                    assert fingerprint is not None  # only then is an unseen hash asked for
+                    try:
+                        self._updates[mm_hash] = read(record, fingerprint,
+                                                      self.deployment.vocab_size)
+                    except RecordRefused as exc:  # today's path: the processor runs here
+                        log.debug("shmstore: record of %s refused (%s)", mm_hash, exc)
+                        self._store.give_back(handle, number, wait=False)
+                        with self.ledger.lock:
+                            self.refused[exc.reason] += 1
+                        continue
+                    with self.ledger.lock:
+                        self.skipped["processor"] += 1
+                self._touched[mm_hash] = (handle, number)
             return [h in self._touched for h in mm_hashes]
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
@@ -171,7 +228,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
         try:
-            handle = self._put(mm_hash, item)
+            handle = self._put(mm_hash, item, prompt_updates)
         except KeyExists:  # stored (by another API server), but not its prompt updates here
             try:
                 handle = self._store.get_cached(mm_hash)
@@ -193,10 +250,15 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         out = self._hand_out(handle, number, mm_item, mm_hash)
         return (mm_item if out is None else (out, prompt_updates))
 
-    def _put(self, mm_hash: str, item: Any) -> Handle | None:
-        """Store a miss; None: send it inline (too large, or the store is full even after
-        withdrawing what only ended requests held)."""
+    def _put(self, mm_hash: str, item: Any, prompt_updates: Sequence[Any]) -> Handle | None:
+        """Store a miss, with the record of its prompt updates where they have one; None:
+        send it inline (too large, or the store is full even after withdrawing what only
+        ended requests held)."""
         value = item_to_value(item)
+        fingerprint = _FINGERPRINT.get()
+        record = None if fingerprint is None else write(prompt_updates, fingerprint)
+        if record is not None:
+            value[RECORD_FIELD] = record
         for attempt in range(2):
             try:
                 return self._store.put(mm_hash, value, timeout=0)
@@ -299,10 +361,18 @@ class _SenderCollector:
         labels = [sender.segment, str(sender.api_server)]
         with sender.ledger.lock:
             items, settled = dict(sender.items), dict(sender.ledger.settled)
+            skipped, refused = dict(sender.skipped), dict(sender.refused)
         for name, doc, label, values in (
                 ("shmstore_vllm_items", "Items by outcome: hit (stored, prompt updates here), "
                  "shared (processed here, stored already: no second copy), stored, inline",
                  "outcome", items),
+                ("shmstore_vllm_skipped", "Work this API server skipped: decode (an image "
+                 "never decoded: a hit), processor (a hit on an item another API server "
+                 "processed: its prompt-update record used, no HF processor run here)",
+                 "what", skipped),
+                ("shmstore_vllm_records_refused", "Prompt-update records not used (the "
+                 "processor ran), by reason: missing, version, fingerprint, damaged",
+                 "reason", refused),
                 ("shmstore_vllm_settled", "Hand-outs settled without being read, by reason",
                  "reason", settled)):
             family = CounterMetricFamily(name, doc, labels=["segment", "api_server", label])
@@ -339,3 +409,9 @@ def _export_metrics(sender: ShmstoreSenderCache) -> Any:
         for each in stops:
             each()
     return stop
+
+
+def blake3_16(data: bytes) -> bytes:
+    import blake3
+
+    return blake3.blake3(data).digest()[:FINGERPRINT_BYTES]

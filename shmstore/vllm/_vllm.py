@@ -11,7 +11,12 @@ What the plugin takes from vLLM (0.32; 0.33 is the same in these places):
                        the flat, shared and batched fields
     cache factories    processor_cache_from_config, worker_receiver_cache_from_config and
                        _get_cache_type, re-bound in every module that imported them
-    request hooks      HOOK_POINTS: the methods whose calls tell the ledger a request's story
+    request hooks      HOOK_POINTS: the methods whose calls tell the ledger a request's story,
+                       and the multimodal processor's steps around the cache
+    prompt updates     ResolvedPromptUpdate, PromptUpdateDetails, PromptIndexTargets,
+                       UpdateMode, and the code of the closures their factories make
+    images             ImageMediaIO.load_bytes (made lazy for JPEGs), MediaWithBytes,
+                       open_image; MultiModalHasher for the request's processor kwargs
     environment        VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME (the segment's name, vLLM's own)
     workers            the world group's local rank
 """
@@ -29,6 +34,8 @@ from vllm.multimodal.cache.base import (
     BaseMultiModalReceiverCache,
     MultiModalCacheMissError,
 )
+from vllm.multimodal.hasher import MultiModalHasher
+from vllm.multimodal.image import open_image
 from vllm.multimodal.inputs import (
     MultiModalBatchedField,
     MultiModalFieldConfig,
@@ -36,6 +43,14 @@ from vllm.multimodal.inputs import (
     MultiModalFlatField,
     MultiModalKwargsItem,
     MultiModalSharedField,
+)
+from vllm.multimodal.media.base import MediaWithBytes
+from vllm.multimodal.media.image import ImageMediaIO
+from vllm.multimodal.processing.processor import (
+    PromptIndexTargets,
+    PromptUpdateDetails,
+    ResolvedPromptUpdate,
+    UpdateMode,
 )
 from vllm.utils.cache import CacheInfo
 
@@ -45,7 +60,10 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "MultiModalCacheMissError", "CacheInfo", "MultiModalKwargsItem", "MultiModalFieldElem",
            "MultiModalFieldConfig", "MultiModalFlatField", "MultiModalSharedField",
            "MultiModalBatchedField", "HOOK_POINTS", "buffer_name", "world_local_rank",
-           "bind_cache_factories", "install_hooks"]
+           "bind_cache_factories", "install_hooks", "ResolvedPromptUpdate",
+           "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
+           "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
+           "open_image", "install_image_loader", "max_image_pixels"]
 
 log = logging.getLogger(LOG_NAME)
 
@@ -66,7 +84,77 @@ HOOK_POINTS = (
     ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", "abort_requests"),
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs", "process_inputs"),
     ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "_apply_mm_cache", "apply_mm_cache"),
+    # the processor: a request's kwargs for the records; lazy images decoded for the misses
+    ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor",
+     "_cached_apply_hf_processor", "cached_apply"),
+    ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor",
+     "_get_cache_missing_items", "missing_items"),
+    ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor",
+     "_apply_hf_processor", "uncached_apply"),
 )
+_hooked: dict[str, bool] = {}  # hook name -> its method was found and wrapped
+# the hooks without which images stay eager (a lazy image must be decoded by vLLM's own code)
+IMAGE_HOOKS = ("missing_items", "uncached_apply")
+
+# the code objects of the closures vLLM's factories make: a resolved prompt update whose
+# closures have these codes was made by these factories, and calling them again rebuilds it
+FACTORY_CODES: dict[str, tuple[Any, ...]] = {
+    name: tuple(f.__code__ for f in functions) for name, functions in {
+        "start": (PromptIndexTargets.start().get_match_index,
+                  PromptIndexTargets.start().get_text_match_index),
+        "end": (PromptIndexTargets.end().get_match_index,
+                PromptIndexTargets.end().get_text_match_index),
+        "prefix": (PromptIndexTargets.prefix([0]).get_match_index,
+                   PromptIndexTargets.prefix([0]).get_text_match_index),
+        "select_token_id": (PromptUpdateDetails.select_token_id([0], 0).is_embed,),
+        "select_token_ids": (PromptUpdateDetails.select_token_ids([0], [0]).is_embed,),
+    }.items()}
+_RECORD_FIELDS = (("modality", "item_idx", "mode", "target", "content"), ("full", "is_embed"))
+
+
+def records_supported() -> bool:
+    """Whether this vLLM's resolved prompt updates have exactly the fields a record keeps."""
+    import dataclasses
+
+    found = tuple(tuple(f.name for f in dataclasses.fields(cls))
+                  for cls in (ResolvedPromptUpdate, PromptUpdateDetails))
+    return found == _RECORD_FIELDS
+
+
+def max_image_pixels() -> int:
+    """VLLM_MAX_IMAGE_PIXELS, read as vLLM's load_bytes reads it (0: no limit)."""
+    import vllm.envs as envs
+
+    return int(envs.VLLM_MAX_IMAGE_PIXELS)
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def kwargs_digest(kwargs: Any) -> bytes:
+    """vLLM's own digest of a request's processor kwargs (the one its item hashes use)."""
+    return bytes.fromhex(MultiModalHasher.hash_kwargs("blake3", kwargs=dict(kwargs)))
+
+
+def install_image_loader(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ImageMediaIO.load_bytes with `make(vLLM's own load_bytes)`, once; False (and
+    nothing replaced) where this vLLM lacks a hook that decodes a lazy image with vLLM's code
+    before its processor runs."""
+    wrapped = {hook for _, _, _, hook in HOOK_POINTS if _hooked.get(hook)}
+    if not set(IMAGE_HOOKS) <= wrapped:
+        log.warning("shmstore vLLM plugin: images are decoded eagerly (this vLLM lacks %s)",
+                    ", ".join(sorted(set(IMAGE_HOOKS) - wrapped)))
+        return False
+    original = ImageMediaIO.load_bytes
+    if not getattr(original, "_shmstore_hook", False):
+        loader = make(original)
+        loader._shmstore_hook = True  # type: ignore[attr-defined]
+        ImageMediaIO.load_bytes = loader
+    return True
+
 # modules that import the cache factories by name: each gets the plugin's
 FACTORY_IMPORTERS = ("vllm.multimodal.cache.factories", "vllm.multimodal.cache",
                      "vllm.renderers.base", "vllm.v1.worker.worker_base")
@@ -150,3 +238,4 @@ def install_hooks(wrappers: dict[str, Callable[[Any], Any]], missing: str) -> No
             wrapped = wrappers[hook](original)
             wrapped._shmstore_hook = True
             setattr(cls, method, wrapped)
+        _hooked[hook] = True
