@@ -145,7 +145,8 @@ def install_image_loader(make: Callable[[Callable[..., Any]], Callable[..., Any]
     before its processor runs."""
     wrapped = {hook for _, _, _, hook in HOOK_POINTS if _hooked.get(hook)}
     if not set(IMAGE_HOOKS) <= wrapped:
-        log.warning("shmstore vLLM plugin: images are decoded eagerly (this vLLM lacks %s)",
+        log.warning("shmstore vLLM plugin: images are decoded eagerly (vLLM's processor "
+                    "is not hooked at %s)",
                     ", ".join(sorted(set(IMAGE_HOOKS) - wrapped)))
         return False
     original = ImageMediaIO.load_bytes
