@@ -1,0 +1,149 @@
+"""Images decoded only when the processor needs them: vLLM's real ImageMediaIO, its hasher and
+its media connector, against vLLM's own eager load_bytes on the same bytes. Whatever the bytes,
+the lazy path must give vLLM's pixels, hash, size and error, or take vLLM's own path."""
+
+from __future__ import annotations
+
+import base64
+import io
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from PIL import Image  # noqa: E402
+from vllm.multimodal.hasher import MultiModalHasher  # noqa: E402
+from vllm.multimodal.media.connector import MediaConnector  # noqa: E402
+from vllm.multimodal.media.image import ImageMediaIO  # noqa: E402
+
+from shmstore.vllm import _hooks  # noqa: E402
+from shmstore.vllm._images import LazyImage, lazy_loader, realize, unrealized  # noqa: E402
+
+EAGER = ImageMediaIO.load_bytes
+if getattr(EAGER, "_shmstore_hook", False):  # another test installed it: vLLM's is wrapped
+    EAGER = EAGER.__wrapped__
+LAZY = lazy_loader(EAGER)
+
+
+def encoded(fmt: str = "JPEG", mode: str = "RGB", size: tuple[int, int] = (96, 64),
+            orientation: int | None = None, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = rng.integers(0, 255, (size[1], size[0], channels), dtype=np.uint8)
+    image = Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
+    out = io.BytesIO()
+    exif = Image.Exif()
+    if orientation is not None:
+        exif[0x0112] = orientation
+    image.save(out, format=fmt, exif=exif)
+    return out.getvalue()
+
+
+def outcome(load: Any, data: bytes, mode: str | None = "RGB") -> Any:
+    """What a load gives once the processor reads it: (pixels, mode, size, hash) or the error."""
+    try:
+        media = load(ImageMediaIO(image_mode=mode), data)
+        digest = MultiModalHasher.hash_kwargs("blake3", image=media)
+        size = media.media.size
+        if isinstance(media, LazyImage):
+            media.realize()
+        pixels = np.asarray(media.media)
+        return pixels.tobytes(), media.media.mode, size, digest, media.io_config
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+CASES = {
+    "jpeg": encoded(),
+    "jpeg-3mp": encoded(size=(2048, 1536)),
+    "jpeg-rotated": encoded(orientation=6),
+    "jpeg-orientation-1": encoded(orientation=1),
+    "jpeg-grey": encoded(mode="L"),
+    "png": encoded("PNG"),
+    "png-rgba": encoded("PNG", "RGBA"),
+    "webp": encoded("WEBP"),
+    "truncated-jpeg": encoded(size=(256, 256))[:3000],
+    "jpeg-header-only": encoded()[:200],
+    "garbage": b"\xff\xd8\xff" + bytes(500),
+    "empty": b"",
+    "text": b"not an image at all",
+}
+LAZY_CASES = {"jpeg", "jpeg-3mp", "jpeg-orientation-1", "truncated-jpeg"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lazy_loading_gives_what_vllm_gives(case: str) -> None:
+    data = CASES[case]
+    assert outcome(LAZY, data) == outcome(EAGER, data)
+    assert outcome(LAZY, data, mode=None) == outcome(EAGER, data, mode=None)
+    try:
+        loaded = LAZY(ImageMediaIO(), data)
+    except ValueError:
+        loaded = None
+    assert isinstance(loaded, LazyImage) == (case in LAZY_CASES)
+    if case == "truncated-jpeg":  # the header opens; the error comes with the decode
+        with pytest.raises(ValueError, match="Failed to load image"):
+            loaded.realize()
+
+
+def test_an_image_over_vllms_pixel_limit_is_refused_as_vllm_refuses_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.envs as envs
+
+    monkeypatch.setattr(envs, "VLLM_MAX_IMAGE_PIXELS", 1000, raising=False)
+    monkeypatch.setenv("VLLM_MAX_IMAGE_PIXELS", "1000")
+    data = CASES["jpeg"]
+    assert outcome(LAZY, data)[0] == "ValueError"
+    assert outcome(LAZY, data) == outcome(EAGER, data)
+
+
+def test_a_lazy_image_decodes_once_with_vllms_own_code() -> None:
+    calls = []
+
+    def counting(self: Any, data: bytes) -> Any:
+        calls.append(len(data))
+        return EAGER(self, data)
+
+    media = lazy_loader(counting)(ImageMediaIO(), CASES["jpeg"])
+    assert calls == [] and isinstance(media, LazyImage) and not media.realized
+    media.realize()
+    media.realize()
+    assert calls == [len(CASES["jpeg"])] and media.realized
+
+
+def test_data_urls_and_files_load_lazily_through_vllms_connector(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setattr(ImageMediaIO, "load_bytes", LAZY)
+    data = CASES["jpeg"]
+    connector = MediaConnector(allowed_local_media_path=str(tmp_path))
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    (tmp_path / "a.jpg").write_bytes(data)
+    for media in (connector.fetch_image(url), connector.fetch_image(f"file://{tmp_path}/a.jpg")):
+        assert isinstance(media, LazyImage) and not media.realized
+        media.realize()
+        assert np.array_equal(np.asarray(media.media), np.asarray(EAGER(ImageMediaIO(), data).media))
+
+
+def items(*media: Any) -> dict[str, Any]:
+    """vLLM's MultiModalDataItems as the hooks see them: modality -> items with .data."""
+    return {"image": SimpleNamespace(data=list(media)), "audio": SimpleNamespace(data=None)}
+
+
+def test_the_processor_hooks_decode_the_misses_and_count_the_rest() -> None:
+    hooks = _hooks.wrappers()
+    hit, miss, png = (LAZY(ImageMediaIO(), CASES["jpeg"]), LAZY(ImageMediaIO(), CASES["jpeg-3mp"]),
+                      LAZY(ImageMediaIO(), CASES["png"]))
+    missing = hooks["missing_items"](lambda self, *a: ("cached?", items(miss, png)))
+    assert missing(None) == ("cached?", items(miss, png))
+    assert miss.realized and not hit.realized
+    assert unrealized(items(hit, miss, png)) == 1
+    uncached = hooks["uncached_apply"](lambda self, inputs: "processed")
+    assert uncached(None, SimpleNamespace(mm_data_items=items(hit))) == "processed"
+    assert hit.realized
+    broken = LAZY(ImageMediaIO(), CASES["truncated-jpeg"])
+    with pytest.raises(ValueError, match="Failed to load image"):
+        realize(items(broken))
