@@ -15,13 +15,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from PIL import Image  # noqa: E402
-from vllm.multimodal.hasher import MultiModalHasher  # noqa: E402
-from vllm.multimodal.media.connector import MediaConnector  # noqa: E402
-from vllm.multimodal.media.image import ImageMediaIO  # noqa: E402
+from PIL import Image
+from vllm.multimodal.hasher import MultiModalHasher
+from vllm.multimodal.media.connector import MediaConnector
+from vllm.multimodal.media.image import ImageMediaIO
 
-from shmstore.vllm import _hooks  # noqa: E402
-from shmstore.vllm._images import LazyImage, lazy_loader, realize, unrealized  # noqa: E402
+from shmstore.vllm import _hooks
+from shmstore.vllm._images import LazyImage, lazy_loader, realize, unrealized
 
 EAGER = ImageMediaIO.load_bytes
 if getattr(EAGER, "_shmstore_hook", False):  # another test installed it: vLLM's is wrapped

@@ -26,8 +26,10 @@ from shmstore.vllm import _records  # noqa: E402
 from shmstore.vllm._items import handle_from_item, item_to_value  # noqa: E402
 from shmstore.vllm._records import RECORD_FIELD, RecordRefused  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
+from tests.vllm import test_vllm_shared as shared  # noqa: E402
 from tests.vllm.test_vllm_plugin import image_item, same_item  # noqa: E402
-from tests.vllm.test_vllm_shared import node, read, segment_name  # noqa: E402, F401
+
+node, segment_name, read = shared.node, shared.segment_name, shared.read  # its fixtures too
 
 FP = bytes(range(16))
 VOCAB = 32064
@@ -157,6 +159,7 @@ def test_every_byte_of_a_record_damaged_in_the_store_falls_back(node: Any) -> No
         entry = first.store._index.by_key["h3"]
         body = first.store._writer_ring.payload(entry.chunk)[first.store._header_bytes:]
         record = _records.write(updates, _fingerprint(first))
+        assert record is not None
         at = bytes(body[:4096]).index(record)
         for i in range(len(record)):
             body[at + i] ^= 0x41

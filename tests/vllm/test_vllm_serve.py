@@ -68,16 +68,18 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def body(self, seed: int, text: str = "describe the image", **extra: Any) -> bytes:
+    def body(self, seed: int, text: str = "describe the image", *,
+             part: dict[str, Any] | None = None, **extra: Any) -> bytes:
+        part = part or {"type": "image_url", "image_url": {"url": image(seed)}}
         return json.dumps({"model": self.model, "max_tokens": 8, "temperature": 0, **extra,
                            "messages": [{"role": "user", "content": [
-                               {"type": "image_url", "image_url": {"url": image(seed)}},
-                               {"type": "text", "text": text}]}]}).encode()
+                               part, {"type": "text", "text": text}]}]}).encode()
 
-    def chat(self, seed: int, text: str = "describe the image", timeout: float = 60,
-             **extra: Any) -> dict[str, Any]:
+    def chat(self, seed: int, text: str = "describe the image", timeout: float = 60, *,
+             part: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """A chat completion about image `seed` (or the content part `part`)."""
         request = urllib.request.Request(f"{self.url}/v1/chat/completions",
-                                         self.body(seed, text, **extra),
+                                         self.body(seed, text, part=part, **extra),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())  # type: ignore[no-any-return]
@@ -120,14 +122,28 @@ def _labels(line: str) -> dict[str, str]:
                                                 if pair))
 
 
-def image(seed: int) -> str:
+def image(seed: int, fmt: str = "PNG", side: int = 64) -> str:
+    """A data URL of a random image: PNG (decoded eagerly) or JPEG (lazily, under shmstore)."""
     import numpy as np
     from PIL import Image
 
-    pixels = np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)
-    png = io.BytesIO()
-    Image.fromarray(pixels).save(png, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    pixels = np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def jpeg_part(seed: int, *, truncated: bool = False, uuid: str | None = None,
+              data: bool = True) -> dict[str, Any]:
+    """A chat content part with a 256x256 JPEG (cut in half: corrupt), a uuid, or the uuid
+    alone (no data: the server must have the item already)."""
+    url = image(seed, "JPEG", 256)
+    if truncated:
+        url = url[:len(url) // 2 // 4 * 4]
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url} if data else None}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
 
 
 @pytest.fixture(scope="module")

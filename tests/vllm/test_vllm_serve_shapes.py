@@ -9,12 +9,14 @@ one after the other (about 50 s each to start on 2 cores).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +24,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from tests.conftest import new_name
-from tests.vllm.test_vllm_serve import Server
+from tests.vllm.test_vllm_serve import Server, jpeg_part
 from tests.vllm.tiny_llava import build
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
@@ -37,8 +39,31 @@ ROUND = 14  # new images per round: more than the store holds
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two workers or engines on the two cores
 
 
+JPEGS = [70, 71, 72]  # decoded lazily under shmstore: a hit never decodes them
+
+
 def texts(server: Server, seeds: list[int]) -> dict[int, str]:
     return {s: server.chat(s)["choices"][0]["message"]["content"] for s in seeds}
+
+
+def said(server: Server, part: dict[str, Any]) -> Any:
+    """The answer's text, or the error (status, message) the client gets."""
+    try:
+        return server.chat(0, part=part)["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())["error"]["message"]
+
+
+def jpeg_story(server: Server, repeats: int = 3) -> dict[str, Any]:
+    """What clients get for JPEGs sent again and again, a corrupt JPEG, and an image named by
+    a uuid then sent by its uuid alone: each the same every time (a set of one)."""
+    story: dict[str, Any] = {f"jpeg {s}": {said(server, jpeg_part(s)) for _ in range(repeats)}
+                             for s in JPEGS}
+    story["corrupt"] = {said(server, jpeg_part(73, truncated=True)) for _ in range(2)}
+    story["uuid"] = said(server, jpeg_part(74, uuid="photo-74"))
+    story["uuid only"] = {said(server, jpeg_part(74, uuid="photo-74", data=False))
+                          for _ in range(repeats)}
+    return story
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +76,15 @@ def references(model: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Callable[[int], dict[int, str]]:
     """Greedy outputs of one API server with vLLM's own lru cache at a tensor-parallel size
     (sent one at a time: TP and batching change a random model's near-tie logits)."""
-    made: dict[int, dict[int, str]] = {}
+    made: dict[int, dict[Any, Any]] = {}
 
-    def reference(tp: int) -> dict[int, str]:
+    def reference(tp: int) -> dict[Any, Any]:
         if tp not in made:
             server = Server(model, new_name("ref"), tmp_path_factory.mktemp("ref") / "log",
                             "--tensor-parallel-size", str(tp), cache_type="lru",
                             cache_gb="0.01", env=BIND)
             try:
-                made[tp] = texts(server, IMAGES + UNDER_RESET)
+                made[tp] = {**texts(server, IMAGES + UNDER_RESET), **jpeg_story(server)}
             finally:
                 server.stop()
         return made[tp]
@@ -94,21 +119,53 @@ def test_one_store_serves_every_api_server_and_engine(
     server, reference = shaped
     assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}
     assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}  # hits, here or there
-    # the same image until both API servers have served it: stored once, a hit for the other
+    # the same image until both API servers have served it: stored once, and a hit for the
+    # other whose processor never ran (the prompt-update record stored beside it)
+    skipped = "shmstore_vllm_skipped_total"
     for _ in range(30):
-        if server.metric("shmstore_vllm_items_total", outcome="shared") >= 1:
+        if server.metric(skipped, what="processor") >= 1:
             break
         assert server.chat(IMAGES[0])["choices"][0]["message"]["content"] == reference[0]
         time.sleep(0.6)  # past the metrics mirror
-    assert eventually(lambda: server.metric("shmstore_vllm_items_total", outcome="shared") >= 1)
-    for api_server in ("0", "1"):  # both wrote (one directly, one through API server 0)
+    assert eventually(lambda: server.metric(skipped, what="processor") >= 1)
+    for api_server in ("0", "1"):  # both served
         assert server.metric("shmstore_vllm_items_total", api_server=api_server) > 0
     assert server.metric("shmstore_puts_total") == len(IMAGES)  # one copy each on the node
     assert server.metric("shmstore_inline_fallbacks_total") == 0
     stored = server.metric("shmstore_vllm_items_total", outcome="stored")
     assert stored == len(IMAGES)
+    # HF processor runs on the node: one per image (none processed again as "shared")
+    assert server.metric("shmstore_vllm_items_total", outcome="shared") == 0
+    assert server.metric(skipped, what="decode") == 0  # PNGs are decoded eagerly
     # every reader (each engine's workers) owes nothing: no engine pins what it never saw
     assert eventually(lambda: server.metric("shmstore_reader_lag") == 0)
+
+
+def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
+        shaped: tuple[Server, dict[Any, Any]]) -> None:
+    """Outputs and errors as vLLM alone gives them (its lru cache, one API server); a corrupt
+    JPEG is refused as vLLM refuses it and never stored; a uuid alone works on any API
+    server once its image is stored on the node."""
+    server, reference = shaped
+    stored = server.metric("shmstore_vllm_items_total", outcome="stored")
+    skipped = server.metric("shmstore_vllm_skipped_total", what="processor")
+    story = jpeg_story(server)
+    assert story == {k: v for k, v in reference.items() if k in story}
+    (code, message), = story["corrupt"]
+    assert code == 400 and "Failed to load image" in message
+    for _ in range(30):  # the first JPEG until the other API server has a hit on it too
+        if server.metric("shmstore_vllm_skipped_total", what="processor") > skipped:
+            break
+        assert said(server, jpeg_part(JPEGS[0])) in reference[f"jpeg {JPEGS[0]}"]
+        time.sleep(0.6)  # past the metrics mirror
+    assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="processor")
+                      > skipped)
+    assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="decode") >= 6)
+    # one HF run per image on the node: the 3 JPEGs and the uuid's, nothing for the corrupt one
+    assert eventually(lambda: server.metric("shmstore_vllm_items_total", outcome="stored")
+                      == stored + len(JPEGS) + 1)
+    assert server.metric("shmstore_vllm_items_total", outcome="shared") == 0
+    assert server.metric("shmstore_vllm_records_refused_total") == 0
 
 
 def test_refused_requests_on_any_api_server_never_wedge_the_store(
