@@ -3,6 +3,7 @@ vLLM's own caches against shmstore's.
 
     OMP_NUM_THREADS=1 python bench/bench_serve.py [--quick] [--image-size 336] [--repeats 1]
                                                   [--mixes 0%,100%,zipf,fill] [--n 24]
+                                                  [--photo-mp 3] [--source data|url]
                                                   [--cache-gb 1] [--json PATH] [--plot PNG]
     python bench/bench_serve.py --from-json PATH [--plot PNG]   (a saved run, again)
 
@@ -16,13 +17,23 @@ Configurations (each a fresh server, run one after another, in rounds when --rep
     one-lru         one API server, TP 2, vLLM's default lru cache
     one-vllm-shm    one API server, TP 2, vLLM's own shm cache (SHMSTORE_VLLM=0)
     one-shmstore    one API server, TP 2, shmstore
+    api4-fallback   --api-server-count 4 --tensor-parallel-size 2, processor_only (not run
+    api4-shmstore   unless named in --configs: six processes of vLLM on two cores)
+
+Images: random 64x64 PNGs by default (--photo-mp 0), or, with --photo-mp MP, JPEG photos of MP
+megapixels as a client sends them: a real photo (matplotlib's sample grace_hopper.jpg), each
+seed a different crop, flip and tint, resized to MP megapixels at 4:3, quality 90. --source
+data sends them as base64 data URLs, --source url as URLs of an HTTP server on 127.0.0.1
+(every image made before its cell starts: the clients' cost is not timed).
 
 Workload cells: image hit mixes 0% (every image new), 100% (a few images, sent once before the
 cell) and zipf (s = 1.1 over a pool: about 60% repeats), at concurrency 1 and 4; with --mixes
 ...,fill, last, new images at concurrency 4 until the cache of each of two API servers is full
 (so the memory read after it is that of full caches); streaming chat
 completions, 8 tokens each. Reported per cell: TTFT p50 and p99 (first streamed token), requests
-per second, megabytes the server's processes serialized for each other per request
+per second, CPU milliseconds per request of the API server processes and of every process
+of the server (utime + stime from /proc, before and after the cell: stable where wall times
+are not), megabytes the server's processes serialized for each other per request
 (bench/ipc_bytes: vLLM's MsgpackEncoder in every process, so every request and output between
 API servers and engines, items by value included; not the engine core's broadcast to its
 tensor-parallel workers); per server, after the cells: its memory, the PSS of every process of the server
@@ -30,7 +41,9 @@ tensor-parallel workers); per server, after the cells: its memory, the PSS of ev
 plus every byte the server holds in /dev/shm (shmstore's store is reserved whole at start, so
 no write can ever SIGBUS; vLLM's segments grow as they are written).
 Ratios compare each shmstore configuration with the vLLM configuration of the same shape, in
-the same run. Timings on a shared 2-core machine are noisy: compare ratios, not absolutes.
+the same run; with --repeats, configurations are interleaved round by round, each number is
+the median over the rounds and TTFT p50 also shows its spread (min-max). Timings on a shared
+2-core machine are noisy: compare ratios, not absolutes.
 """
 
 from __future__ import annotations
@@ -40,6 +53,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import base64
+import functools
+import http.server
+import io
 import json
 import math
 import random
@@ -59,6 +76,7 @@ from tests.vllm.test_vllm_serve import Server, image  # noqa: E402
 from tests.vllm.tiny_llava import build  # noqa: E402
 
 API2 = ("--api-server-count", "2", "--tensor-parallel-size", "2")
+API4 = ("--api-server-count", "4", "--tensor-parallel-size", "2")
 DP2 = ("--data-parallel-size", "2")
 ONE = ("--tensor-parallel-size", "2")
 CONFIGS = {  # name: (arguments, cache type, shmstore on)
@@ -69,8 +87,12 @@ CONFIGS = {  # name: (arguments, cache type, shmstore on)
     "one-lru": (ONE, "lru", False),
     "one-vllm-shm": (ONE, "shm", False),
     "one-shmstore": (ONE, "shm", True),
+    "api4-fallback": (API4, "shm", False),
+    "api4-shmstore": (API4, "shm", True),
 }
-PAIRS = [("api2-shmstore", "api2-fallback"), ("dp2-shmstore", "dp2-fallback"),
+DEFAULT_CONFIGS = [c for c in CONFIGS if not c.startswith("api4")]
+PAIRS = [("api2-shmstore", "api2-fallback"), ("api4-shmstore", "api4-fallback"),
+         ("dp2-shmstore", "dp2-fallback"),
          ("one-shmstore", "one-vllm-shm"), ("one-shmstore", "one-lru")]
 MIXES = ("0%", "100%", "zipf")
 CONCURRENCY = (1, 4)
@@ -79,11 +101,100 @@ API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's ca
 POOL = 64  # images the zipf mix draws from
 
 
+class Images:
+    """The URL a client sends for image `seed`: a 64x64 PNG data URL (photo_mp 0), or a JPEG
+    photo of photo_mp megapixels as a data URL or from an HTTP server on 127.0.0.1."""
+
+    def __init__(self, photo_mp: float = 0, source: str = "data") -> None:
+        self.photo_mp, self.source = photo_mp, source
+        self._urls: dict[int, str] = {}
+        self._jpegs: dict[int, bytes] = {}
+        self._http: http.server.ThreadingHTTPServer | None = None
+        if photo_mp and source == "url":
+            jpegs = self._jpegs
+
+            class Handler(http.server.BaseHTTPRequestHandler):
+                def do_GET(self) -> None:
+                    data = jpegs.get(int(self.path.rsplit("/", 1)[-1].split(".")[0]))
+                    self.send_response(200 if data else 404)
+                    self.send_header("Content-Type", "image/jpeg")
+                    self.send_header("Content-Length", str(len(data or b"")))
+                    self.end_headers()
+                    self.wfile.write(data or b"")
+
+                def log_message(self, *args: Any) -> None:
+                    pass
+
+            self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=self._http.serve_forever, daemon=True).start()
+
+    def prepare(self, seeds: list[int]) -> None:
+        """Make every image of a cell before it starts."""
+        for seed in seeds:
+            self.url(seed)
+
+    def url(self, seed: int) -> str:
+        if seed not in self._urls:
+            if not self.photo_mp:
+                self._urls[seed] = image(seed)
+            else:
+                data = photo(seed, self.photo_mp)
+                if self._http is not None:
+                    self._jpegs[seed] = data
+                    port = self._http.server_address[1]
+                    self._urls[seed] = f"http://127.0.0.1:{port}/img/{seed}.jpg"
+                else:
+                    self._urls[seed] = ("data:image/jpeg;base64,"
+                                        + base64.b64encode(data).decode())
+        return self._urls[seed]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+@functools.lru_cache(maxsize=1)
+def _sample_photo() -> Any:
+    import matplotlib.cbook
+    from PIL import Image
+
+    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as f:
+        return Image.open(f).convert("RGB")
+
+
+def photo(seed: int, megapixels: float) -> bytes:
+    """A JPEG photo of `megapixels` at 4:3: the sample photo cropped, flipped and tinted by
+    `seed` (every seed a different image, as different clients' photos are)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = random.Random(seed)
+    base = _sample_photo()
+    w, h = base.size
+    cw, ch = int(w * rng.uniform(0.7, 1.0)), int(h * rng.uniform(0.7, 1.0))
+    x, y = rng.randrange(w - cw + 1), rng.randrange(h - ch + 1)
+    crop = base.crop((x, y, x + cw, y + ch))
+    if rng.random() < 0.5:
+        crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    width = round((megapixels * 1e6 * 4 / 3) ** 0.5)
+    big = np.asarray(crop.resize((width, width * 3 // 4), Image.Resampling.BICUBIC),
+                     dtype=np.float32)
+    tint = np.array([rng.uniform(0.85, 1.15) for _ in range(3)], dtype=np.float32)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(big * tint, 0, 255).astype(np.uint8)).save(out, format="JPEG",
+                                                                      quality=90)
+    return out.getvalue()
+
+
+IMAGES = Images()  # main() sets the run's
+
+
 def ttft(server: Server, seed: int) -> float:
     """Seconds from sending a streaming chat request with image `seed` to its first token."""
     body = {"model": server.model, "max_tokens": 8, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image(seed)}},
+                {"type": "image_url", "image_url": {"url": IMAGES.url(seed)}},
                 {"type": "text", "text": "describe the image"}]}]}
     request = urllib.request.Request(f"{server.url}/v1/chat/completions",
                                      json.dumps(body).encode(),
@@ -121,11 +232,39 @@ def ipc_bytes(directory: Path) -> int:
     return total
 
 
+def cpu_seconds(pgid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of the server's API server processes, and of all
+    its processes. vLLM titles its API servers APIServer_N when it runs several; with one,
+    the server's first process (pid = pgid) is the API server."""
+    tick = os.sysconf("SC_CLK_TCK")
+    api = total = first = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            title = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        total += seconds
+        if b"APIServer" in title:
+            api += seconds
+        if int(entry.name) == pgid:
+            first = seconds
+    return api or first, total
+
+
 def run_cell(server: Server, seeds: list[int], concurrency: int,
              counts: Path) -> dict[str, float]:
     times: list[float] = []
+    IMAGES.prepare(seeds)
     time.sleep(0.5)  # the counts of what came before are written
     serialized = ipc_bytes(counts)
+    cpu_before = cpu_seconds(server.proc.pid)
     lock = threading.Lock()
     queue = list(seeds)
 
@@ -148,11 +287,14 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
     wall = time.perf_counter() - start
     time.sleep(0.5)
     serialized = ipc_bytes(counts) - serialized
+    cpu_after = cpu_seconds(server.proc.pid)
     times.sort()
     return {"ttft_p50_ms": 1e3 * statistics.median(times),
             "ttft_p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
             "requests_per_s": len(times) / wall, "n": len(times),
-            "ipc_mb_per_request": serialized / len(times) / 1e6}
+            "ipc_mb_per_request": serialized / len(times) / 1e6,
+            "api_cpu_ms_per_request": 1e3 * (cpu_after[0] - cpu_before[0]) / len(times),
+            "server_cpu_ms_per_request": 1e3 * (cpu_after[1] - cpu_before[1]) / len(times)}
 
 
 def pss_bytes(pgid: int) -> int:
@@ -229,7 +371,11 @@ def main() -> None:
     parser.add_argument("--cache-gb", default="1", help="--mm-processor-cache-gb of each server")
     parser.add_argument("--image-size", type=int, default=336)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    parser.add_argument("--photo-mp", type=float, default=0,
+                        help="JPEG photos of this many megapixels (0: 64x64 PNGs)")
+    parser.add_argument("--source", choices=("data", "url"), default="data",
+                        help="photos as base64 data URLs or from an HTTP server on 127.0.0.1")
     parser.add_argument("--mixes", default=",".join(MIXES), help="hit mixes to run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT p50 per cell and configuration")
@@ -242,6 +388,8 @@ def main() -> None:
             plot(result, args.plot)
         return
     n = 6 if args.quick else args.n
+    global IMAGES
+    IMAGES = Images(args.photo_mp, args.source)
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,8 +399,10 @@ def main() -> None:
                 runs[name].append(run_config(name, model, n, Path(tmp), args.image_size,
                                              args.mixes.split(","), args.cache_gb))
                 print(f"{name}: done", file=sys.stderr, flush=True)
+    IMAGES.close()
     result = summarize(runs)
     result["image_size"] = args.image_size
+    result["photo_mp"], result["source"] = args.photo_mp, args.source
     report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
@@ -268,6 +418,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for cell in reps[0]["cells"]:
             cells[cell] = {k: statistics.median(r["cells"][cell][k] for r in reps)
                            for k in reps[0]["cells"][cell]}
+            p50s = [r["cells"][cell]["ttft_p50_ms"] for r in reps]
+            cells[cell]["ttft_p50_ms_spread"] = [min(p50s), max(p50s)]
         pss = statistics.median(r["pss_bytes"] for r in reps) / 2**20
         shm = statistics.median(r["shm_bytes"] for r in reps) / 2**20
         out["configs"][name] = {"cells": cells, "pss_mb": pss, "shm_mb": shm,
@@ -277,17 +429,27 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> None:
     configs = result["configs"]
-    print(f"image {result.get('image_size', '?')} px; TTFT p50 / p99 ms, requests/s")
+    photos = result.get("photo_mp") or 0
+    print(f"model image {result.get('image_size', '?')} px; client images: "
+          + (f"{photos} MP JPEG photos by {result.get('source')}" if photos else "64x64 PNG")
+          + "; TTFT p50 [spread over repeats] / p99 ms, requests/s, CPU ms per request of "
+          "the API servers / of the whole server")
     for name, data in configs.items():
         print(f"\n{name}: memory {data['memory_mb']:.0f} MB (processes {data['pss_mb']:.0f}, "
               f"/dev/shm {data['shm_mb']:.1f})")
         for cell, v in data["cells"].items():
             ipc = v.get("ipc_mb_per_request")  # absent from runs saved before it was counted
-            print(f"  {cell:10s} {v['ttft_p50_ms']:7.1f} {v['ttft_p99_ms']:7.1f} "
-                  f"{v['requests_per_s']:6.2f}/s"
+            spread = v.get("ttft_p50_ms_spread")
+            cpu = v.get("api_cpu_ms_per_request")
+            print(f"  {cell:10s} {v['ttft_p50_ms']:7.1f}"
+                  + ("" if spread is None else f" [{spread[0]:.0f}-{spread[1]:.0f}]")
+                  + f" {v['ttft_p99_ms']:7.1f} {v['requests_per_s']:6.2f}/s"
+                  + ("" if cpu is None else
+                     f" cpu {cpu:6.1f} / {v['server_cpu_ms_per_request']:6.1f} ms")
                   + ("" if ipc is None else f" {ipc:7.3f} MB serialized"))
-    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, MB "
-          "serialized between the server's processes per request; memory")
+    print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, API-server "
+          "CPU per request, server CPU per request, MB serialized between the server's "
+          "processes per request; memory")
     for mine, theirs in PAIRS:
         if mine not in configs or theirs not in configs:
             continue
@@ -298,6 +460,9 @@ def report(result: dict[str, Any]) -> None:
             print(f"  {cell:10s} {x['ttft_p50_ms'] / y['ttft_p50_ms']:5.2f} "
                   f"{x['ttft_p99_ms'] / y['ttft_p99_ms']:5.2f} "
                   f"{x['requests_per_s'] / y['requests_per_s']:5.2f}"
+                  + ("" if "api_cpu_ms_per_request" not in x else
+                     f" {x['api_cpu_ms_per_request'] / y['api_cpu_ms_per_request']:5.2f}"
+                     f" {x['server_cpu_ms_per_request'] / y['server_cpu_ms_per_request']:5.2f}")
                   + ("" if "ipc_mb_per_request" not in x else
                      f" {x['ipc_mb_per_request'] / max(y['ipc_mb_per_request'], 1e-9):7.4f}"))
 

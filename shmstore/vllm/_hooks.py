@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ._env import LEASE_ENV, LOG_NAME
-from ._images import realize, unrealized
+from ._images import done, pending, realize, unrealized
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
 from ._requests import RequestLedger, numbers_in
@@ -189,11 +190,18 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
         return wrapper
 
     def missing_items(original: Any) -> Any:
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            is_cached, missing = original(self, *args, **kwargs)
-            realize(missing)  # the processor reads these: vLLM's own decode, its own errors
-            return is_cached, missing
+            # the sender's is_cached decodes the misses' lazy images (vLLM's decode, its own
+            # errors) before this step reads them for the processor
+            call = signature.bind(self, *args, **kwargs).arguments
+            token = pending(call.get("mm_data_items"), call.get("mm_hashes"))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                done(token)
         return wrapper
 
     def uncached_apply(original: Any) -> Any:

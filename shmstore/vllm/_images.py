@@ -5,24 +5,32 @@ never looks at the pixels, yet ImageMediaIO.load_bytes decodes every image as it
 for 0.3 MP, 14 ms for 3 MP). In an API process with shmstore's sender, load_bytes reads only the
 header of a JPEG that needs no conversion (its mode is the one asked for, no EXIF rotation, not
 over VLLM_MAX_IMAGE_PIXELS) and returns a LazyImage: the header image (size, mode, EXIF: all
-the hash and the parser read) and the bytes. Before the processor runs on a miss, the hooks
-call `realize()`: vLLM's own load_bytes on the same bytes, so the pixels, the errors ("Failed
-to load image: ...", a 400 for the client) and the mode are vLLM's. Anything else (PNG, a
-rotated or grey JPEG, bytes whose header does not open) takes vLLM's own path at once.
+the hash and the parser read) and the bytes. vLLM reads a request's items for its processor
+right after asking the cache which are cached: the hook around that step lists the request's
+lazy images by hash (`pending`), and the sender's is_cached calls `realize()` on the misses
+(`realize_misses`) before it returns: vLLM's own load_bytes on the same bytes, so the pixels,
+the errors ("Failed to load image: ...", a 400 for the client) and the mode are vLLM's.
+Anything else (PNG, a rotated or grey JPEG, bytes whose header does not open) takes vLLM's
+own path at once.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import io
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._vllm import MediaWithBytes, install_image_loader, max_image_pixels, open_image
 
-__all__ = ["LazyImage", "lazy_loader", "install", "realize", "unrealized"]
+__all__ = ["LazyImage", "lazy_loader", "install", "realize", "unrealized", "pending", "done",
+           "realize_misses"]
 
 ORIENTATION = 0x0112  # the EXIF tag vLLM's exif_transpose acts on (values 2..8 rotate)
+# the lazy images of the request whose cached items vLLM is finding, by hash
+_PENDING: contextvars.ContextVar[dict[str, list[LazyImage]] | None] = contextvars.ContextVar(
+    "shmstore_pending_images", default=None)
 
 
 class LazyImage(MediaWithBytes):  # type: ignore[misc]
@@ -87,6 +95,34 @@ def _lazy_images(items: Any) -> Iterable[LazyImage]:
         data = getattr(modality_items, "data", None)
         if isinstance(data, list):
             yield from (d for d in data if isinstance(d, LazyImage))
+
+
+def pending(items: Any, hashes: Any) -> contextvars.Token[dict[str, list[LazyImage]] | None]:
+    """vLLM is about to ask the cache which of `items` (by modality, with `hashes` by
+    modality) are cached: list their lazy images for realize_misses."""
+    found: dict[str, list[LazyImage]] = {}
+    for modality, modality_hashes in (hashes or {}).items():
+        data = getattr((items or {}).get(modality), "data", None)
+        if isinstance(data, list) and len(data) == len(modality_hashes):
+            for mm_hash, item in zip(modality_hashes, data, strict=True):
+                if isinstance(item, LazyImage) and not item.realized:
+                    found.setdefault(mm_hash, []).append(item)
+    return _PENDING.set(found)
+
+
+def done(token: contextvars.Token[dict[str, list[LazyImage]] | None]) -> None:
+    _PENDING.reset(token)
+
+
+def realize_misses(hashes: Sequence[str], cached: Sequence[bool]) -> None:
+    """Decode the pending lazy images of the hashes that are not cached (vLLM reads them for
+    its processor next); vLLM's error for an image it cannot decode is raised here."""
+    found = _PENDING.get()
+    if found:
+        for mm_hash, hit in zip(hashes, cached, strict=True):
+            if not hit:
+                for image in found.pop(mm_hash, ()):
+                    image.realize()
 
 
 def realize(items: Any) -> None:

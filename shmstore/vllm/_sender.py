@@ -185,7 +185,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                     with self.ledger.lock:
                         self.skipped["processor"] += 1
                 self._touched[mm_hash] = (handle, number)
-            return [h in self._touched for h in mm_hashes]
+            cached = [h in self._touched for h in mm_hashes]
+        _images.realize_misses(mm_hashes, cached)  # vLLM reads the misses' pixels next
+        return cached
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:  # is_cached took the hits' hand-outs: this finds them there

@@ -21,7 +21,7 @@ from vllm.multimodal.media.connector import MediaConnector
 from vllm.multimodal.media.image import ImageMediaIO
 
 from shmstore.vllm import _hooks
-from shmstore.vllm._images import LazyImage, lazy_loader, realize, unrealized
+from shmstore.vllm._images import LazyImage, lazy_loader, realize_misses, unrealized
 
 EAGER = ImageMediaIO.load_bytes
 if getattr(EAGER, "_shmstore_hook", False):  # another test installed it: vLLM's is wrapped
@@ -134,16 +134,30 @@ def items(*media: Any) -> dict[str, Any]:
 
 
 def test_the_processor_hooks_decode_the_misses_and_count_the_rest() -> None:
+    """vLLM's step that finds the cached items asks the cache, then reads the misses: the
+    hook lists the request's lazy images, and is_cached's answer decodes the misses'."""
     hooks = _hooks.wrappers()
     hit, miss, png = (LAZY(ImageMediaIO(), CASES["jpeg"]), LAZY(ImageMediaIO(), CASES["jpeg-3mp"]),
                       LAZY(ImageMediaIO(), CASES["png"]))
-    missing = hooks["missing_items"](lambda self, *a: ("cached?", items(miss, png)))
-    assert missing(None) == ("cached?", items(miss, png))
-    assert miss.realized and not hit.realized
+    seen = []
+
+    def find_missing(self: Any, cache: Any, mm_data_items: Any, mm_hashes: Any) -> Any:
+        cached = [h == "hit" for h in mm_hashes["image"]]
+        realize_misses(mm_hashes["image"], cached)  # as the sender's is_cached does
+        seen.append([getattr(d, "realized", None) for d in mm_data_items["image"].data])
+        return cached, "missing"
+
+    step = hooks["missing_items"](find_missing)
+    assert step(None, cache=None, mm_data_items=items(hit, miss, png),
+                mm_hashes={"image": ["hit", "miss", "png"]}) == ([True, False, False], "missing")
+    assert seen == [[False, True, None]] and not hit.realized  # the hit never decoded
     assert unrealized(items(hit, miss, png)) == 1
+    realize_misses(["hit"], [False])  # outside the step: nothing pending, nothing decoded
+    assert not hit.realized
     uncached = hooks["uncached_apply"](lambda self, inputs: "processed")
     assert uncached(None, SimpleNamespace(mm_data_items=items(hit))) == "processed"
     assert hit.realized
     broken = LAZY(ImageMediaIO(), CASES["truncated-jpeg"])
+    step = hooks["missing_items"](find_missing)
     with pytest.raises(ValueError, match="Failed to load image"):
-        realize(items(broken))
+        step(None, None, items(broken), {"image": ["broken"]})

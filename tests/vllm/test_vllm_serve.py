@@ -122,24 +122,24 @@ def _labels(line: str) -> dict[str, str]:
                                                 if pair))
 
 
-def image(seed: int, fmt: str = "PNG", side: int = 64) -> str:
-    """A data URL of a random image: PNG (decoded eagerly) or JPEG (lazily, under shmstore)."""
+def image(seed: int, fmt: str = "PNG", side: int = 64, keep: float = 1.0) -> str:
+    """A data URL of a random image: PNG (decoded eagerly) or JPEG (lazily, under shmstore);
+    `keep` < 1 cuts its bytes short (a corrupt image whose header still opens)."""
     import numpy as np
     from PIL import Image
 
     pixels = np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+    data = out.getvalue()[:int(len(out.getvalue()) * keep)]
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
 
 
 def jpeg_part(seed: int, *, truncated: bool = False, uuid: str | None = None,
               data: bool = True) -> dict[str, Any]:
     """A chat content part with a 256x256 JPEG (cut in half: corrupt), a uuid, or the uuid
     alone (no data: the server must have the item already)."""
-    url = image(seed, "JPEG", 256)
-    if truncated:
-        url = url[:len(url) // 2 // 4 * 4]
+    url = image(seed, "JPEG", 256, keep=0.5 if truncated else 1.0)
     part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url} if data else None}
     if uuid is not None:
         part["uuid"] = uuid
