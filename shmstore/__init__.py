@@ -49,7 +49,7 @@ from .queue._channel import Channel, ChannelReader, ChannelWriter
 from .serde._codec import Blank, dumps, loads
 from .store._object_store import ObjectStore, StoreReader, StoreStats, StoreWriter
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     # stores, queues, channels

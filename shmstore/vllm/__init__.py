@@ -9,6 +9,8 @@
     _sender.py     the sender cache, in each API process
     _receiver.py   the receiver cache, in each worker
     _items.py      vLLM's items as stored values, and the handle items sent instead
+    _records.py    an item's resolved prompt updates as a record stored beside its tensors
+    _images.py     images decoded only when the processor needs them (a hit never decodes)
     _hooks.py      the request hooks that make hand-outs follow requests
     _nodes.py      the head's Publisher and each node's feed (TP across nodes)
     _requests.py   the ledger that settles every hand-out when its request ends
@@ -24,13 +26,16 @@ from ._env import (
     ENABLE_ENV,
     INSECURE_ENV,
     KEYS_ENV,
+    LAZY_IMAGES_ENV,
     LEASE_ENV,
     POLICY_ENV,
     PUBLISH_ENV,
     SETTLE_ENV,
+    SHARE_UPDATES_ENV,
     WAIT_ENV,
 )
 from .plugin import register
 
 __all__ = ["register", "ENABLE_ENV", "POLICY_ENV", "SETTLE_ENV", "LEASE_ENV", "PUBLISH_ENV",
-           "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV"]
+           "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "LAZY_IMAGES_ENV",
+           "SHARE_UPDATES_ENV"]

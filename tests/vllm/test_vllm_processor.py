@@ -1,0 +1,114 @@
+"""vLLM's real multimodal processor (the tiny LLaVA's, vLLM 0.32's `processor(...)`, its hooks
+installed) with shmstore's senders of two API servers as its cache: an image the first API
+server processed is, on the second, a hit that runs no HF processor and decodes no image, and
+gives the prompt ids and placeholder ranges vLLM alone gives. A corrupt JPEG gets vLLM's own
+error, on any API server."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from PIL import Image
+from vllm.multimodal.media.image import ImageMediaIO
+
+from shmstore.vllm._hooks import install_request_hooks
+from shmstore.vllm._images import LazyImage
+from tests.vllm import test_vllm_shared as shared
+from tests.vllm.tiny_llava import build
+
+pytestmark = pytest.mark.timeout(300)
+node, segment_name = shared.node, shared.segment_name  # two API servers on one store
+PROMPT = "USER: <image>\ndescribe the image ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    install_request_hooks()  # as the plugin does in every process: before the senders
+    model = build(tmp_path_factory.mktemp("tiny-llava"))
+    config = ModelConfig(model=str(model), max_model_len=256, enforce_eager=True)
+    yield MULTIMODAL_REGISTRY.create_processor(config)
+
+
+def jpeg(seed: int, keep: float = 1.0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (120, 160, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG")
+    return out.getvalue()[:int(len(out.getvalue()) * keep)]
+
+
+def run(processor: Any, data: bytes, cache: Any, calls: list[int]) -> Any:
+    """One request as vLLM's renderer makes it: the image loaded (lazily, under shmstore),
+    then processed with `cache`; (prompt ids, placeholder ranges, the media)."""
+    load = ImageMediaIO.load_bytes  # lazy once a sender made it so
+    media = (load if cache is not None else getattr(load, "__wrapped__", load))(
+        ImageMediaIO(), data)  # vLLM alone: its own eager load
+    items = processor.info.parse_mm_data({"image": [media]})
+    before = len(calls)
+    out = processor(PROMPT, items, cache=cache)
+    if cache is not None:
+        cache.release_sender_touches()
+    placeholders = [(p.offset, p.length) for p in out["mm_placeholders"]["image"]]
+    return out["prompt_token_ids"], placeholders, media, len(calls) - before
+
+
+@pytest.fixture
+def counted(processor: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each HF processor call appends to the list."""
+    calls: list[int] = []
+    context = type(processor.info.ctx)  # a frozen dataclass: its class is patched
+    original = context.call_hf_processor
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(context, "call_hf_processor", counting)
+    return calls
+
+
+def test_another_api_servers_item_needs_no_processor_and_no_decode(
+        processor: Any, node: Any, counted: list[int]) -> None:
+    (first, second), _ = node
+    assert first.lazy_images and second.lazy_images
+    for seed in range(4):
+        data = jpeg(seed)
+        ids, places, _, _ = run(processor, data, None, counted)  # vLLM alone, no cache
+        got_first = run(processor, data, first, counted)
+        assert got_first[:2] == (ids, places) and got_first[3] == 1  # a miss: processed
+        assert isinstance(got_first[2], LazyImage) and got_first[2].realized
+        got_second = run(processor, data, second, counted)
+        assert got_second[:2] == (ids, places)
+        assert got_second[3] == 0  # no HF processor on API server 1
+        assert isinstance(got_second[2], LazyImage) and not got_second[2].realized
+        again = run(processor, data, first, counted)  # a plain hit on API server 0
+        assert again[:2] == (ids, places) and again[3] == 0 and not again[2].realized
+    assert second.skipped == {"decode": 4, "processor": 4}
+    assert first.skipped == {"decode": 4, "processor": 0}
+    assert first.store.stats().puts == 4 and second.items["shared"] == 0
+
+
+def test_a_corrupt_jpeg_gets_vllms_error_and_is_never_stored(
+        processor: Any, node: Any, counted: list[int]) -> None:
+    (first, second), _ = node
+    data = jpeg(9, keep=0.5)
+    with pytest.raises(ValueError) as alone:
+        ImageMediaIO.load_bytes.__wrapped__(ImageMediaIO(), data)  # vLLM's eager load
+    for sender in (first, second):
+        with pytest.raises(ValueError) as lazily:
+            run(processor, data, sender, counted)
+        assert str(lazily.value) == str(alone.value)
+        assert "Failed to load image" in str(lazily.value)
+        sender.release_sender_touches()
+    assert counted == [] and first.store.stats().puts == 0
