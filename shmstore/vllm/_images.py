@@ -11,7 +11,8 @@ lazy images by hash (`pending`), and the sender's is_cached calls `realize()` on
 (`realize_misses`) before it returns: vLLM's own load_bytes on the same bytes, so the pixels,
 the errors ("Failed to load image: ...", a 400 for the client) and the mode are vLLM's.
 Anything else (PNG, a rotated or grey JPEG, bytes whose header does not open) takes vLLM's
-own path at once.
+own path at once. Code outside the processor that reads a lazy image's pixels gets PIL's
+decode of the same bytes on first use: the same pixels (nothing converts or rotates them).
 """
 
 from __future__ import annotations

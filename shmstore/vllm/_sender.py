@@ -176,11 +176,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                     try:
                         self._updates[mm_hash] = read(record, fingerprint,
                                                       self.deployment.vocab_size)
-                    except RecordRefused as exc:  # today's path: the processor runs here
-                        log.debug("shmstore: record of %s refused (%s)", mm_hash, exc)
+                    except Exception as exc:  # today's path: the processor runs here
+                        reason = exc.reason if isinstance(exc, RecordRefused) else "damaged"
+                        (log.debug if isinstance(exc, RecordRefused) else log.warning)(
+                            "shmstore: record of %s refused (%s)", mm_hash, exc)
                         self._store.give_back(handle, number, wait=False)
                         with self.ledger.lock:
-                            self.refused[exc.reason] += 1
+                            self.refused[reason] += 1
                         continue
                     with self.ledger.lock:
                         self.skipped["processor"] += 1

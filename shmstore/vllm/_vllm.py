@@ -23,6 +23,7 @@ What the plugin takes from vLLM (0.32; 0.33 is the same in these places):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Callable
@@ -112,13 +113,13 @@ FACTORY_CODES: dict[str, tuple[Any, ...]] = {
 _RECORD_FIELDS = (("modality", "item_idx", "mode", "target", "content"), ("full", "is_embed"))
 
 
+_SUPPORTED = tuple(tuple(f.name for f in dataclasses.fields(cls))
+                   for cls in (ResolvedPromptUpdate, PromptUpdateDetails)) == _RECORD_FIELDS
+
+
 def records_supported() -> bool:
     """Whether this vLLM's resolved prompt updates have exactly the fields a record keeps."""
-    import dataclasses
-
-    found = tuple(tuple(f.name for f in dataclasses.fields(cls))
-                  for cls in (ResolvedPromptUpdate, PromptUpdateDetails))
-    return found == _RECORD_FIELDS
+    return _SUPPORTED
 
 
 def max_image_pixels() -> int:
@@ -135,7 +136,8 @@ def vllm_version() -> str:
 
 
 def kwargs_digest(kwargs: Any) -> bytes:
-    """vLLM's own digest of a request's processor kwargs (the one its item hashes use)."""
+    """A request's processor kwargs digested by vLLM's own hasher (the framing its item
+    hashes use: any value it can hash, in the same way in every process)."""
     return bytes.fromhex(MultiModalHasher.hash_kwargs("blake3", kwargs=dict(kwargs)))
 
 

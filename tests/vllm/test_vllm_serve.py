@@ -135,6 +135,37 @@ def image(seed: int, fmt: str = "PNG", side: int = 64, keep: float = 1.0) -> str
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
 
 
+class MediaServer:
+    """Clients' images behind URLs: an HTTP server on 127.0.0.1 that serves /SEED.jpg (the
+    JPEG of jpeg_part) and answers 404 for anything else."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                name = self.path.rsplit("/", 1)[-1]
+                data = None
+                if name.endswith(".jpg") and name[:-4].isdigit():
+                    data = base64.b64decode(image(int(name[:-4]), "JPEG", 256).split(",")[1])
+                self.send_response(200 if data else 404)
+                self.send_header("Content-Type", "image/jpeg")
+                self.send_header("Content-Length", str(len(data or b"")))
+                self.end_headers()
+                self.wfile.write(data or b"")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
 def jpeg_part(seed: int, *, truncated: bool = False, uuid: str | None = None,
               data: bool = True) -> dict[str, Any]:
     """A chat content part with a 256x256 JPEG (cut in half: corrupt), a uuid, or the uuid

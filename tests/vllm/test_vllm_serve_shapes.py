@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from tests.conftest import new_name
-from tests.vllm.test_vllm_serve import Server, jpeg_part
+from tests.vllm.test_vllm_serve import MediaServer, Server, jpeg_part
 from tests.vllm.tiny_llava import build
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
@@ -54,11 +54,16 @@ def said(server: Server, part: dict[str, Any]) -> Any:
         return error.code, json.loads(error.read())["error"]["message"]
 
 
-def jpeg_story(server: Server, repeats: int = 3) -> dict[str, Any]:
-    """What clients get for JPEGs sent again and again, a corrupt JPEG, and an image named by
-    a uuid then sent by its uuid alone: each the same every time (a set of one)."""
+def jpeg_story(server: Server, media: MediaServer, repeats: int = 3) -> dict[str, Any]:
+    """What clients get for JPEGs sent again and again (as data URLs, and one by a URL), a
+    corrupt JPEG, a URL that fails, and an image named by a uuid then sent by its uuid alone:
+    each the same every time (a set of one)."""
     story: dict[str, Any] = {f"jpeg {s}": {said(server, jpeg_part(s)) for _ in range(repeats)}
                              for s in JPEGS}
+    by_url = {"type": "image_url", "image_url": {"url": f"{media.url}/75.jpg"}}
+    story["jpeg by url"] = {said(server, by_url) for _ in range(repeats)}
+    failing = {"type": "image_url", "image_url": {"url": f"{media.url}/missing.jpg"}}
+    story["failing url"] = {said(server, failing) for _ in range(2)}
     story["corrupt"] = {said(server, jpeg_part(73, truncated=True)) for _ in range(2)}
     story["uuid"] = said(server, jpeg_part(74, uuid="photo-74"))
     story["uuid only"] = {said(server, jpeg_part(74, uuid="photo-74", data=False))
@@ -72,7 +77,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def references(model: Path, tmp_path_factory: pytest.TempPathFactory
+def media() -> Iterator[MediaServer]:
+    server = MediaServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def references(model: Path, tmp_path_factory: pytest.TempPathFactory, media: MediaServer
                ) -> Callable[[int], dict[int, str]]:
     """Greedy outputs of one API server with vLLM's own lru cache at a tensor-parallel size
     (sent one at a time: TP and batching change a random model's near-tie logits)."""
@@ -84,7 +96,7 @@ def references(model: Path, tmp_path_factory: pytest.TempPathFactory
                             "--tensor-parallel-size", str(tp), cache_type="lru",
                             cache_gb="0.01", env=BIND)
             try:
-                made[tp] = {**texts(server, IMAGES + UNDER_RESET), **jpeg_story(server)}
+                made[tp] = {**texts(server, IMAGES + UNDER_RESET), **jpeg_story(server, media)}
             finally:
                 server.stop()
         return made[tp]
@@ -142,17 +154,19 @@ def test_one_store_serves_every_api_server_and_engine(
 
 
 def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
-        shaped: tuple[Server, dict[Any, Any]]) -> None:
+        shaped: tuple[Server, dict[Any, Any]], media: MediaServer) -> None:
     """Outputs and errors as vLLM alone gives them (its lru cache, one API server); a corrupt
     JPEG is refused as vLLM refuses it and never stored; a uuid alone works on any API
     server once its image is stored on the node."""
     server, reference = shaped
     stored = server.metric("shmstore_vllm_items_total", outcome="stored")
     skipped = server.metric("shmstore_vllm_skipped_total", what="processor")
-    story = jpeg_story(server)
+    story = jpeg_story(server, media)
     assert story == {k: v for k, v in reference.items() if k in story}
     (code, message), = story["corrupt"]
     assert code == 400 and "Failed to load image" in message
+    (code, _), = story["failing url"]
+    assert code >= 400
     for _ in range(30):  # the first JPEG until the other API server has a hit on it too
         if server.metric("shmstore_vllm_skipped_total", what="processor") > skipped:
             break
@@ -161,9 +175,10 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
     assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="processor")
                       > skipped)
     assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="decode") >= 6)
-    # one HF run per image on the node: the 3 JPEGs and the uuid's, nothing for the corrupt one
+    # one HF run per image on the node: the 3 JPEGs, the one by URL and the uuid's; nothing
+    # for the corrupt one or the failing URL
     assert eventually(lambda: server.metric("shmstore_vllm_items_total", outcome="stored")
-                      == stored + len(JPEGS) + 1)
+                      == stored + len(JPEGS) + 2)
     assert server.metric("shmstore_vllm_items_total", outcome="shared") == 0
     assert server.metric("shmstore_vllm_records_refused_total") == 0
 
