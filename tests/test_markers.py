@@ -10,7 +10,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 # what a module names when it starts one of them: the launcher scripts and the relay's workers
 STARTS_SERVING = ("vllm_serve_launch", "vllm_engine_run", "vllm_requests_run", "relay_workers",
-                  "test_vllm_serve import Server")
+                  "Server(model")  # a `vllm serve` of test_vllm_serve.Server
 
 
 def module_marks(path: Path) -> set[str]:
