@@ -8,6 +8,7 @@
     _ordering.py   the memory fences readers and the writer rely on
     _atomic.c      the ordered words compiled (optional; _ordering.py falls back to Python)
     _closeable.py  close() that waits for calls in flight, and the fork check
+    _exit.py       names this process created, unlinked at its exit if it did not
 
 May import: errors, _proc.
 """

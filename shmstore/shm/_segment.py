@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -34,6 +35,7 @@ from ..errors import (
     VersionMismatch,
     WrongSegmentKind,
 )
+from . import _exit
 from ._closeable import Closeable
 from ._header import (
     ALIGN_BYTES,
@@ -155,6 +157,7 @@ class Segment(Closeable):
         self = object.__new__(cls)
         self.name = name
         self.is_owner = True
+        _exit.own(os.path.join(SHM_DIR, name), functools.partial(_unlink_name, name))
         try:
             os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
             self.kind = kind
@@ -332,10 +335,8 @@ class Segment(Closeable):
         if not self.is_owner or self._unlinked:
             return
         self._unlinked = True
-        try:
-            posix_ipc.unlink_shared_memory(posix_name(self.name))
-        except posix_ipc.ExistentialError:
-            pass
+        _exit.disown(os.path.join(SHM_DIR, self.name))
+        _unlink_name(self.name)
 
     def __exit__(
         self,
@@ -394,6 +395,13 @@ def _exists_error(name: str) -> SegmentExists:
         f"remove it (Segment.remove_stale({name!r}) or rm {SHM_DIR}/{name}) and create it again",
         name, pid, False,
     )
+
+
+def _unlink_name(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(posix_name(name))
+    except posix_ipc.ExistentialError:
+        pass
 
 
 def _unlink_if_dead(name: str) -> bool:

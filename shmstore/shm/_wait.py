@@ -22,6 +22,7 @@ wait with its exception, and the flag is reset on the way out.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 import time
@@ -32,6 +33,7 @@ import posix_ipc
 
 from .._proc import number_arg
 from ..errors import SegmentNotFound, SegmentPermissionError, ShmSpaceError
+from . import _exit
 from ._ordering import FULL_FENCE, Words
 
 __all__ = ["Deadline", "Doorbell", "wait_until", "SLICE_S", "SHM_DIR"]
@@ -95,9 +97,10 @@ class Doorbell:
             raise SegmentPermissionError(f"cannot create semaphore {name!r}: {exc}",
                                          name) from None
         self = cls(name, sem, owner=True)
+        _exit.own(_sem_path(name), functools.partial(_unlink_semaphore, name))
         try:
             # sem_open applies the umask; others need read and write to use it
-            os.chmod(os.path.join(SHM_DIR, "sem." + name.lstrip("/")), stat.S_IMODE(mode))
+            os.chmod(_sem_path(name), stat.S_IMODE(mode))
         except FileNotFoundError:  # a system that keeps semaphores elsewhere: keep the umask's
             pass
         except BaseException:
@@ -135,10 +138,8 @@ class Doorbell:
         """Remove the name (owner only); idempotent. Open handles keep working."""
         if self.owner and not self._unlinked:
             self._unlinked = True
-            try:
-                posix_ipc.unlink_semaphore(self.name)
-            except posix_ipc.ExistentialError:
-                pass
+            _exit.disown(_sem_path(self.name))
+            _unlink_semaphore(self.name)
 
     def close(self) -> None:
         """Close this handle; the owner also unlinks the name. Idempotent."""
@@ -194,3 +195,15 @@ def wait_until(
                 words.exchange(flag, 0)
         if ready():
             return True
+
+
+def _sem_path(name: str) -> str:
+    """Where Linux keeps the named semaphore `name`."""
+    return os.path.join(SHM_DIR, "sem." + name.lstrip("/"))
+
+
+def _unlink_semaphore(name: str) -> None:
+    try:
+        posix_ipc.unlink_semaphore(name)
+    except posix_ipc.ExistentialError:
+        pass

@@ -88,8 +88,9 @@ def test_second_create_names_the_live_writer(name: str) -> None:
 
 def _leave_stale(name: str) -> None:
     code = (
-        "from shmstore.shm._segment import Segment, KIND_RING; "
-        f"Segment.create({name!r}, kind=KIND_RING, capacity_bytes=4096)"  # exits without unlink
+        "import os; from shmstore.shm._segment import Segment, KIND_RING; "
+        f"Segment.create({name!r}, kind=KIND_RING, capacity_bytes=4096); "
+        "os._exit(0)"  # dies without unlinking (no exit handler runs, as after SIGKILL)
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
