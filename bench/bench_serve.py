@@ -55,7 +55,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import base64
 import functools
-import http.server
 import io
 import json
 import math
@@ -72,7 +71,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm.test_vllm_serve import Server, image  # noqa: E402
+from tests.vllm.test_vllm_serve import MediaServer, Server, image  # noqa: E402
 from tests.vllm.tiny_llava import build  # noqa: E402
 
 API2 = ("--api-server-count", "2", "--tensor-parallel-size", "2")
@@ -109,24 +108,7 @@ class Images:
         self.photo_mp, self.source = photo_mp, source
         self._urls: dict[int, str] = {}
         self._jpegs: dict[int, bytes] = {}
-        self._http: http.server.ThreadingHTTPServer | None = None
-        if photo_mp and source == "url":
-            jpegs = self._jpegs
-
-            class Handler(http.server.BaseHTTPRequestHandler):
-                def do_GET(self) -> None:
-                    data = jpegs.get(int(self.path.rsplit("/", 1)[-1].split(".")[0]))
-                    self.send_response(200 if data else 404)
-                    self.send_header("Content-Type", "image/jpeg")
-                    self.send_header("Content-Length", str(len(data or b"")))
-                    self.end_headers()
-                    self.wfile.write(data or b"")
-
-                def log_message(self, *args: Any) -> None:
-                    pass
-
-            self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-            threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        self._http = MediaServer(self._jpegs.get) if photo_mp and source == "url" else None
 
     def prepare(self, seeds: list[int]) -> None:
         """Make every image of a cell before it starts."""
@@ -141,8 +123,7 @@ class Images:
                 data = photo(seed, self.photo_mp)
                 if self._http is not None:
                     self._jpegs[seed] = data
-                    port = self._http.server_address[1]
-                    self._urls[seed] = f"http://127.0.0.1:{port}/img/{seed}.jpg"
+                    self._urls[seed] = f"{self._http.url}/img/{seed}.jpg"
                 else:
                     self._urls[seed] = ("data:image/jpeg;base64,"
                                         + base64.b64encode(data).decode())
@@ -150,8 +131,7 @@ class Images:
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
 
 
 @functools.lru_cache(maxsize=1)
@@ -232,18 +212,26 @@ def ipc_bytes(directory: Path) -> int:
     return total
 
 
+def group_processes(pgid: int) -> list[Path]:
+    """/proc/PID of every process in the process group (the server and all it started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == pgid:
+                found.append(entry)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def cpu_seconds(pgid: int) -> tuple[float, float]:
     """CPU seconds (user + system) so far of the server's API server processes, and of all
     its processes. vLLM titles its API servers APIServer_N when it runs several; with one,
     the server's first process (pid = pgid) is the API server."""
     tick = os.sysconf("SC_CLK_TCK")
     api = total = first = 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in group_processes(pgid):
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()
             seconds = (int(fields[11]) + int(fields[12])) / tick
@@ -301,12 +289,8 @@ def pss_bytes(pgid: int) -> int:
     """PSS of every process in the process group (the server and all it started), less the
     shared-memory pages they map (those are counted whole, in /dev/shm)."""
     total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in group_processes(pgid):
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
             for line in (entry / "smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024

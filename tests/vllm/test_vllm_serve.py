@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,11 +135,16 @@ def image(seed: int, fmt: str = "PNG", side: int = 64, keep: float = 1.0) -> str
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
 
 
-class MediaServer:
-    """Clients' images behind URLs: an HTTP server on 127.0.0.1 that serves /SEED.jpg (the
-    JPEG of jpeg_part) and answers 404 for anything else."""
+def _jpeg_bytes(seed: int) -> bytes:
+    return base64.b64decode(image(seed, "JPEG", 256).split(",")[1])
 
-    def __init__(self) -> None:
+
+class MediaServer:
+    """Clients' images behind URLs: an HTTP server on 127.0.0.1 that serves .../SEED.jpg as
+    `jpeg(SEED)` gives it (by default the JPEG of jpeg_part) and answers 404 for anything else
+    (or where `jpeg` gives None)."""
+
+    def __init__(self, jpeg: Callable[[int], bytes | None] = _jpeg_bytes) -> None:
         import http.server
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -147,7 +152,7 @@ class MediaServer:
                 name = self.path.rsplit("/", 1)[-1]
                 data = None
                 if name.endswith(".jpg") and name[:-4].isdigit():
-                    data = base64.b64decode(image(int(name[:-4]), "JPEG", 256).split(",")[1])
+                    data = jpeg(int(name[:-4]))
                 self.send_response(200 if data else 404)
                 self.send_header("Content-Type", "image/jpeg")
                 self.send_header("Content-Length", str(len(data or b"")))
