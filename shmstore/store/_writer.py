@@ -60,6 +60,7 @@ from ._wire import MAX_PEEK_BYTES, check_field
 __all__ = ["StoreWriter", "Reservation", "Lender"]
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_Found = TypeVar("_Found")  # what one key of a hand-out call gives
 
 
 def one_thread(method: _Method) -> _Method:
@@ -275,19 +276,7 @@ class StoreWriter(StoreBase):
         Raises:
             InvalidKey: a key that is not a non-empty str or bytes (nothing was handed out).
         """
-        keys = list(keys)
-        for key in keys:
-            check_key(key)
-        done: list[tuple[Entry, int]] = []
-        try:
-            self._guard_enter()
-            try:
-                return [self._hit(key, done) for key in keys]
-            finally:
-                self._guard_leave()
-        except BaseException:
-            HandOuts.undo(done)
-            raise
+        return self._hand_outs(keys, self._hit)
 
     def peek_cached(self, keys: Iterable[str | bytes], field: str
                     ) -> list[tuple[Handle, int, bytes | None] | None]:
@@ -301,41 +290,47 @@ class StoreWriter(StoreBase):
             InvalidKey: a key that is not a non-empty str or bytes (nothing was handed out).
             InvalidArgument: `field` is not a str of 1 to 64 characters.
         """
+        check_field(field)
+        return self._hand_outs(keys, functools.partial(self._peeked_hit, field=field))
+
+    def _hand_outs(self, keys: Iterable[str | bytes],
+                   hit: Callable[[str | bytes, list[tuple[Entry, int]]], _Found | None]
+                   ) -> list[_Found | None]:
+        """`hit(key, done)` for each key, all keys checked first; undone if cut short."""
         keys = list(keys)
         for key in keys:
             check_key(key)
-        check_field(field)
         done: list[tuple[Entry, int]] = []
-        out: list[tuple[Handle, int, bytes | None] | None] = []
         try:
             self._guard_enter()
             try:
-                for key in keys:
-                    entry = self._index.lookup(key)
-                    found = None
-                    if entry is not None and not self._space.damaged_in_shm(entry):
-                        body = self._writer_ring.payload(entry.chunk)[
-                            self._header_bytes:self._header_bytes + entry.nbytes]
-                        try:
-                            record = peek(body, field, expected_crc=entry.crc,
-                                          crc_suffix=U64.pack(entry.nbytes),
-                                          max_bytes=MAX_PEEK_BYTES)
-                        except CorruptObject:
-                            pass
-                        else:
-                            found = self._hit(key, done)
-                    out.append(None if found is None else (*found, record))
-                return out
+                return [hit(key, done) for key in keys]
             finally:
                 self._guard_leave()
         except BaseException:
             HandOuts.undo(done)
             raise
 
+    def _peeked_hit(self, key: str | bytes, done: list[tuple[Entry, int]], field: str
+                    ) -> tuple[Handle, int, bytes | None] | None:
+        entry = self._index.lookup(key)
+        if entry is None or self._space.damaged_in_shm(entry):
+            return None
+        body = self._writer_ring.payload(entry.chunk)[
+            self._header_bytes:self._header_bytes + entry.nbytes]
+        try:
+            record = peek(body, field, expected_crc=entry.crc,
+                          crc_suffix=U64.pack(entry.nbytes), max_bytes=MAX_PEEK_BYTES)
+        except CorruptObject:
+            return None
+        handle, number = self._hit_entry(entry, done)
+        return handle, number, record
+
     def _hit(self, key: str | bytes, done: list[tuple[Entry, int]]) -> tuple[Handle, int] | None:
         entry = self._index.lookup(key)
-        if entry is None:
-            return None
+        return None if entry is None else self._hit_entry(entry, done)
+
+    def _hit_entry(self, entry: Entry, done: list[tuple[Entry, int]]) -> tuple[Handle, int]:
         self._handouts.make(entry, done)
         self._policy.requested(entry.key, entry.chunk.chunk_bytes)
         entry.uses = self._policy.hit(entry.uses)
