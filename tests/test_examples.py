@@ -61,3 +61,26 @@ def test_example_cleans_up_on_signals(sig: signal.Signals) -> None:
     assert proc.returncode != 0
     time.sleep(0.5)
     assert set(os.listdir("/dev/shm")) <= before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example, lines", [
+    ("queue_broadcast.py", ["reader 0: requests [0, 1, 2, 3, 4]", "reader 1: requests [0, 1, 2, 3, 4]"]),
+    ("channel_send.py", ["reader 0: {'done': True}", "reader 1: {'done': True}", "writer: 1 put, 1 hit"]),
+    ("writer_host.py", ["worker: image-a mean 1.0", "worker: image-b mean 2.0",
+                        "worker: image-b again mean 2.0", "writer: 2 puts, 1 hit"]),
+])
+def test_queue_channel_and_writer_host_examples(example: str, lines: list[str]) -> None:
+    """Each runs its readers (and, for the host, a second writing process) as processes of
+    their own, and its docs page links to it."""
+    before = set(os.listdir("/dev/shm"))
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True,
+                         text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    for line in lines:
+        assert line in out.stdout.splitlines(), (line, out.stdout)
+    if example.startswith("channel"):
+        assert out.stdout.count("(1, 3, 336, 336) sum 338688.0") == 4  # 2 messages x 2 readers
+    assert set(os.listdir("/dev/shm")) <= before
+    assert f"examples/{example}" in (ROOT / "docs" / "api.md").read_text()

@@ -9,7 +9,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 # what a module names when it starts one of them: the launcher scripts and the relay's workers
-STARTS_SERVING = ("vllm_serve_launch", "vllm_engine_run", "vllm_requests_run", "relay_workers",
+STARTS_SERVING = ('with_name("shmstore")', "vllm_engine_run", "vllm_requests_run", "relay_workers",
                   "Server(model")  # a `vllm serve` of test_vllm_serve.Server
 
 

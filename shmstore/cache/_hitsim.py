@@ -226,12 +226,18 @@ def real_hits(kind: str, trace: Iterable[tuple[str, int]], capacity_bytes: int,
         for r in range(n_readers):
             receivers.append(ReceiverCache.attach(kind, capacity_bytes=capacity_bytes, reader=r,
                                                   name=getattr(sender, "name", None)))
+        made: dict[str, int] = {}  # key -> the size of the value its last miss made
+
+        def make(key: str, nbytes: int) -> Any:
+            made[key] = nbytes
+            return np.full(nbytes, nbytes % 251, np.uint8)
+
         for key, nbytes in trace:
             before = sender.stats().hits
-            payload = sender.process(key, lambda n=nbytes: np.full(n, n % 251, np.uint8))
-            for receiver in receivers:
+            payload = sender.process(key, lambda k=key, n=nbytes: make(k, n))
+            for receiver in receivers:  # a hit is the value stored, whatever size asked now
                 with receiver.resolve_view(payload) as value:
-                    if value[-1] != nbytes % 251:
+                    if len(value) != made[key] or value[-1] != made[key] % 251:
                         raise CorruptObject(f"the {kind} cache returned wrong bytes for {key!r} "
                                             "in the check against the real caches: report it")
             hits.append(sender.stats().hits > before)

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ._relay import add_arguments as relay_arguments
 
     relay_arguments(relay)
+    commands.add_parser("serve", add_help=False, help="vLLM's `vllm serve` on its CUDA or CPU "
+                        "build, with shmstore's plugin (every argument goes to vLLM)")
     commands.add_parser("ls", help="list shmstore segments in /dev/shm with owner, size and age")
     rm = commands.add_parser("rm", help="remove a segment whose writer is dead (never a live one)")
     rm.add_argument("names", nargs="+", metavar="NAME")
@@ -147,6 +149,11 @@ def cmd_gc() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # vLLM parses the rest, --help included
+        from ._serve import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from ._demo import main as demo_main

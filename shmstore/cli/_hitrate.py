@@ -59,6 +59,7 @@ __all__ = ["add_arguments", "main", "read_trace", "TraceError", "recommend"]
 DEFAULT_BUDGETS = "1%,2%,5%,10%,25%,50%"
 MAX_BUDGET_BYTES = 1 << 50  # 1 PiB
 MAX_FRONTENDS = 1024  # API servers on one node; more is a typo
+DEFAULT_KIND = "shm-adaptive"  # the caches' default, and the docs' recommendation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,21 +90,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- budgets and the replay -----------------------------------------------------------------------
 
-def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
-    """(label, bytes) per budget of `spec`: "5%" of the working set, or "4GiB"."""
-    budgets = []
+def budget_spec(spec: str) -> list[tuple[str, float | None, int | None]]:
+    """(label, percent, None) or (label, None, bytes) per budget of `spec`: "5%" of the
+    working set, or "4GiB". Raises TraceError naming the budget that is neither."""
+    budgets: list[tuple[str, float | None, int | None]] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         try:
             if part.endswith("%"):
                 percent = float(part[:-1])
                 if not 0 < percent <= 1e6:  # also nan and inf
                     raise ValueError(part)
-                nbytes = int(percent * working_set / 100)
+                budgets.append((part, percent, None))
             else:
-                nbytes = parse_size(part)
+                budgets.append((part, None, parse_size(part)))
         except (ValueError, OverflowError):
             raise TraceError(f"--budgets: {part!r} is neither a percent (5%, up to 1000000%) nor "
                              "a size (512MiB, 4GiB)") from None
+    if not budgets:
+        raise TraceError(f"--budgets {spec!r}: give at least one, e.g. 5%,10%,4GiB")
+    return budgets
+
+
+def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
+    """(label, bytes) per budget of `spec`: "5%" of the working set, or "4GiB"."""
+    budgets = []
+    for part, percent, size in budget_spec(spec):
+        nbytes = int(percent * working_set / 100) if percent is not None else int(size or 0)
         if nbytes < 1:
             raise TraceError(f"--budgets: {part!r} is less than one byte of this trace")
         if nbytes > MAX_BUDGET_BYTES:
@@ -115,9 +127,10 @@ def parse_budgets(spec: str, working_set: int) -> list[tuple[str, int]]:
 
 def recommend(stats: Sequence[SimStats], target: float, workers: int) -> list[str]:
     """Lines saying, per kind, the smallest budget tried that reaches `target` and its memory,
-    then the kind that needs the least memory for it."""
+    then the kind that needs the least memory for it (on a tie, the default kind, then the
+    higher hit ratio)."""
     lines = []
-    choices: list[tuple[int, float, str, int]] = []
+    choices: list[tuple[int, bool, float, str, int]] = []
     for kind in dict.fromkeys(s.kind for s in stats):
         runs = sorted((s for s in stats if s.kind == kind), key=lambda s: s.capacity_bytes)
         good = next((s for s in runs if s.hit_ratio >= target), None)
@@ -130,25 +143,31 @@ def recommend(stats: Sequence[SimStats], target: float, workers: int) -> list[st
                  else "one shared copy")
         lines.append(f"  {kind:<13} {good.hit_ratio:.1%} at a budget of "
                      f"{format_size(good.capacity_bytes)}: {format_size(memory)} of memory ({where})")
-        choices.append((memory, -good.hit_ratio, kind, good.capacity_bytes))
+        choices.append((memory, kind != DEFAULT_KIND, -good.hit_ratio, kind, good.capacity_bytes))
     if choices:
-        memory, _, kind, budget = min(choices)
+        memory, _, _, kind, budget = min(choices)
         lines.append(f"recommended: cache kind {kind} with a budget of {format_size(budget)} "
                      f"({format_size(memory)} of memory in all with {workers} workers)")
+        default = next((c for c in choices if c[3] == DEFAULT_KIND), None)
+        if kind != DEFAULT_KIND and default is not None:
+            lines.append(f"  ({DEFAULT_KIND}, the default, needs {format_size(default[0])} on this "
+                         f"trace; it is the default because no trace family here puts it far "
+                         f"below the best: docs/caching.md)")
     else:
         lines.append("recommended: no kind reaches the target at these budgets; try larger "
                      "--budgets or a lower --target")
     return lines
 
 
-def _progress_bar(total: int, disabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
+def _progress_bar(total: int, disabled: bool, desc: str
+                  ) -> tuple[Callable[[int], None], Callable[[], None]]:
     try:
         from tqdm import tqdm
     except ImportError:  # the bar is a nicety: pip install tqdm
         disabled = True
     if disabled:
         return (lambda n: None), (lambda: None)
-    bar = tqdm(total=total, unit="req", unit_scale=True, file=sys.stderr, desc="replaying")
+    bar = tqdm(total=total, unit="req", unit_scale=True, file=sys.stderr, desc=desc)
     return bar.update, bar.close
 
 
@@ -159,23 +178,23 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        if args.frontends < 1 or args.frontends > MAX_FRONTENDS:
-            raise TraceError(f"--frontends {args.frontends}: give 1 to {MAX_FRONTENDS} (1: one "
-                             "front end, no comparison)")
-        _check_options(args)
+        return _run(args)
+    except KeyboardInterrupt:  # the stores of the check were closed (and unlinked) on the way
+        print("\nshmstore hitrate: interrupted; nothing written", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        kinds = _check_options(args)
         routes: list[str] | None = [] if args.frontends > 1 and args.route == "column" else None
+        _say(args, f"reading {args.trace}")
         trace = read_trace(args.trace, args.format, args.columns, args.delimiter, args.limit,
                            routes)
         if not trace:
             raise TraceError(f"{args.trace}: no requests")
         working_set = working_set_bytes(trace)
-        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        bad = [k for k in kinds if k not in SIM_KINDS]
-        if bad or not kinds:
-            raise TraceError(f"--kinds: {bad or kinds!r}; choose from {','.join(SIM_KINDS)}")
         budgets = parse_budgets(args.budgets, working_set)
-        if args.workers < 1:
-            raise TraceError("--workers must be at least 1")
     except (TraceError, OSError) as exc:
         print(f"shmstore hitrate: {exc}", file=sys.stderr)
         return 2
@@ -185,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.trace}: {len(trace):,} requests, {unique:,} items, working set "
           f"{format_size(working_set)}, unbounded cache {infinite:.1%}; {args.workers} workers")
     t0 = time.perf_counter()
-    update, done = _progress_bar(len(trace), args.no_progress)
+    update, done = _progress_bar(len(trace), args.no_progress, "replaying")
     try:
         stats = replay(trace, kinds, [b for _, b in budgets], args.workers, update)
     finally:
@@ -196,12 +215,21 @@ def main(args: argparse.Namespace) -> int:
     if args.frontends > 1:
         _frontends_table(trace, routes, args, kinds, budgets, stats, rows)
     if args.verify:
-        print(verify(trace[:args.verify], kinds, [b / working_set for _, b in budgets]))
+        sample = trace[:args.verify]
+        _say(args, f"checking the first {len(sample):,} requests against the real caches in "
+                   f"shared memory ({len(kinds)} kinds x {len(budgets)} budgets)")
+        update, done = _progress_bar(len(sample) * len(kinds) * len(budgets), args.no_progress,
+                                     "checking")
+        try:
+            checked = verify(sample, kinds, [b / working_set for _, b in budgets], progress=update)
+        finally:
+            done()
+        print(checked)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "hitrate.csv")
     written = [out / "hitrate.csv"]
-    if _plot(rows, kinds, out / "hitrate.png"):
+    if _plot(rows, kinds, out / "hitrate.png", target):
         written.append(out / "hitrate.png")
     print(f"for a hit ratio of {target:.1%}:")
     print("\n".join(recommend(stats, target, args.workers)))
@@ -209,8 +237,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_options(args: argparse.Namespace) -> None:
-    """Refuse, before any work, an option that would be silently wrong (TraceError, exit 2)."""
+def _say(args: argparse.Namespace, line: str) -> None:
+    """A line on stderr before a step that may take more than a second."""
+    if not args.no_progress:
+        print(f"{line} ...", file=sys.stderr, flush=True)
+
+
+def _check_options(args: argparse.Namespace) -> list[str]:
+    """Refuse, before any work, an option that would be silently wrong (TraceError, exit 2);
+    returns the kinds to compare."""
+    if args.frontends < 1 or args.frontends > MAX_FRONTENDS:
+        raise TraceError(f"--frontends {args.frontends}: give 1 to {MAX_FRONTENDS} (1: one "
+                         "front end, no comparison)")
+    if args.workers < 1:
+        raise TraceError(f"--workers {args.workers}: the number of workers reading every item, "
+                         "at least 1")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in SIM_KINDS]
+    if bad or not kinds:
+        raise TraceError(f"--kinds: {bad or kinds!r}; choose from {','.join(SIM_KINDS)}")
+    budget_spec(args.budgets)  # their bytes wait for the working set
     target = args.target
     if target is not None and not (math.isfinite(target) and 0 < target <= 1):
         raise TraceError(f"--target {target}: a hit ratio in (0, 1], e.g. 0.8 for 80%")
@@ -222,6 +268,12 @@ def _check_options(args: argparse.Namespace) -> None:
     if out.exists() and not out.is_dir():
         raise TraceError(f"--out {out}: not a directory; name a folder for hitrate.csv and "
                          "hitrate.png")
+    if not out.exists() and not out.parent.is_dir():
+        raise TraceError(f"--out {out}: its parent folder {out.parent} does not exist")
+    if not Path(args.trace).is_file():
+        raise TraceError(f"{args.trace}: no such file; give the path of a csv or oracleGeneral "
+                         "trace")
+    return kinds
 
 
 def _table(stats: list[SimStats], budgets: list[tuple[str, int]], kinds: list[str],
@@ -253,7 +305,7 @@ def _frontends_table(trace: Trace, routes: list[str] | None, args: argparse.Name
     frontends = ([route_index(r, n) for r in routes] if routes is not None
                  else [i % n for i in range(len(trace))])
     load = np.bincount(frontends, minlength=n)
-    update, done = _progress_bar(len(trace), args.no_progress)
+    update, done = _progress_bar(len(trace), args.no_progress, f"{n} front ends")
     try:
         separate = replay_split(trace, frontends, n, kinds, [b for _, b in budgets],
                                 args.workers, update)
@@ -271,7 +323,7 @@ def _frontends_table(trace: Trace, routes: list[str] | None, args: argparse.Name
 
 
 def verify(sample: Trace, kinds: list[str], fractions: list[float],
-           max_segment: int = 32 * 2**20) -> str:
+           max_segment: int = 32 * 2**20, progress: Callable[[int], None] | None = None) -> str:
     """Replay `sample` through the real caches in shared memory (2 readers) and through
     hitsim at each budget, given as a fraction of the sample's working set (so that the sample
     fills the cache), sizes divided so that no segment exceeds `max_segment`; say that every
@@ -297,12 +349,14 @@ def verify(sample: Trace, kinds: list[str], fractions: list[float],
                                      f"real cache at request {first}: please report this")
             checked += len(scaled)
             evictions += sim.stats().evictions
+            if progress is not None:
+                progress(len(scaled))
     return (f"verified: the first {len(sample):,} requests (sizes / {scale}, budgets as shares of "
             f"their working set) hit and miss alike in the real caches and the replay "
             f"({checked:,} requests, {evictions:,} evictions)")
 
 
-def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path) -> bool:
+def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path, target: float) -> bool:
     try:
         import matplotlib
 
@@ -316,11 +370,21 @@ def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path) -> bool:
         sub = [r for r in rows if r["kind"] == kind]
         ax.plot([r["budget_pct"] for r in sub], [r["hit_ratio"] for r in sub], marker="o",
                 markersize=3, label=kind)
+    from matplotlib.ticker import FuncFormatter, NullFormatter, PercentFormatter
+
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1,
+               label=f"target {target:.1%}")
     ax.set_xscale("log")
-    ax.set_xlabel("cache budget (% of the working set)")
-    ax.set_ylabel("request hit ratio")
+    percents = sorted({r["budget_pct"] for r in rows})
+    ax.set_xticks(percents)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}%"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("cache budget (share of the working set)")
+    ax.set_ylabel("requests that hit")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

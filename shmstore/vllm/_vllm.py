@@ -19,13 +19,16 @@ What the plugin takes from vLLM (0.32; 0.33 is the same in these places):
                        open_image; MultiModalHasher for the request's processor kwargs
     environment        VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME (the segment's name, vLLM's own)
     workers            the world group's local rank
+    command line       vLLM's own `vllm` command and its `serve` parser (for `shmstore serve`)
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +67,8 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "bind_cache_factories", "install_hooks", "ResolvedPromptUpdate",
            "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
-           "open_image", "install_image_loader", "max_image_pixels"]
+           "open_image", "install_image_loader", "max_image_pixels", "run_cli",
+           "serve_parser"]
 
 log = logging.getLogger(LOG_NAME)
 
@@ -127,6 +131,24 @@ def max_image_pixels() -> int:
     import vllm.envs as envs
 
     return int(envs.VLLM_MAX_IMAGE_PIXELS)
+
+
+def run_cli(argv: list[str]) -> None:
+    """vLLM's own command line, `vllm ARGV...`, in this process."""
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The parser of `vllm serve`, as vLLM builds it."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser: argparse.ArgumentParser = ServeSubcommand().subparser_init(
+        FlexibleArgumentParser(prog="vllm").add_subparsers())
+    return parser
 
 
 def vllm_version() -> str:

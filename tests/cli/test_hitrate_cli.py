@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmstore.cache._hitsim import SIM_KINDS, replay, replay_split, route_index
-from shmstore.cli._hitrate import TraceError, parse_budgets, read_trace
+from shmstore.cache._hitsim import SIM_KINDS, SimStats, real_hits, replay, replay_split, route_index
+from shmstore.cli._hitrate import TraceError, parse_budgets, read_trace, recommend
 from shmstore.cli._traces import ORACLE_GENERAL
 
 TRACE = [(f"img-{k}", 1000 + 37 * (k % 11)) for k in
@@ -141,7 +141,11 @@ def test_a_key_seen_large_then_small_counts_at_its_largest_and_verify_stays_smal
 
 
 @pytest.mark.slow
-def test_hitrate_killed_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 128 + signal.SIGTERM),
+                                         (signal.SIGINT, 130)])
+def test_hitrate_stopped_leaves_nothing_in_dev_shm(tmp_path: Path, sig: signal.Signals,
+                                                   status: int) -> None:
+    """SIGTERM exits 143; Ctrl-C (SIGINT) ends with one line and 130, no traceback."""
     path = tmp_path / "t.csv"
     path.write_text("".join(f"{i},k{i % 300},{200_000 + i % 7}\n" for i in range(20_000)))
     before = set(os.listdir("/dev/shm"))
@@ -155,12 +159,17 @@ def test_hitrate_killed_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> 
                 n.startswith("shmstore-") for n in set(os.listdir("/dev/shm")) - before):
             time.sleep(0.01)
         assert time.monotonic() < end, "the verify step never started"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == status
+        err = proc.stderr.read() if proc.stderr else ""
+        assert "Traceback" not in err, err
+        if sig == signal.SIGINT:
+            assert err.strip().splitlines()[-1] == "shmstore hitrate: interrupted; nothing written"
     finally:
         proc.kill()
         proc.wait()
     assert not [n for n in set(os.listdir("/dev/shm")) - before if "shmstore" in n]
+    assert not (tmp_path / "hitrate.csv").exists()
 
 
 @pytest.mark.slow
@@ -234,3 +243,53 @@ def test_out_naming_a_file_is_refused_before_any_work(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--out" in done.stderr and "not a directory" in done.stderr
     assert "Traceback" not in done.stderr and "replayed" not in done.stdout  # no work done
     assert target.read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--workers", "0"), "--workers 0"),
+    (("--kinds", "shm-fifo,belady"), "--kinds"),
+    (("--budgets", "5x"), "--budgets: '5x'"),
+    (("--budgets", ","), "--budgets"),
+    (("--frontends", "0"), "--frontends 0"),
+    (("--target", "80"), "--target 80"),
+    (("--out", "/nonexistent-parent/report"), "--out"),
+])
+def test_every_option_is_checked_before_the_trace_is_read(tmp_path: Path, args: tuple[str, ...],
+                                                          message: str) -> None:
+    """A bad option is named even when the trace does not exist: options come first."""
+    done = hitrate(str(tmp_path / "missing.csv"), *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "missing.csv" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_slow_steps_say_what_they_do(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("".join(f"{i},{k},{n}\n" for i, (k, n) in enumerate(TRACE[:300])))
+    done = subprocess.run([sys.executable, "-m", "shmstore", "hitrate", str(trace), "--out",
+                           str(tmp_path / "new-folder"), "--verify", "100", "--budgets", "50%"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"reading {trace} ..." in done.stderr
+    assert "checking the first 100 requests against the real caches" in done.stderr
+    assert (tmp_path / "new-folder" / "hitrate.csv").exists()  # --out made when missing
+
+
+def _stats(kind: str, budget: int, hits: int) -> SimStats:
+    return SimStats(kind, budget, 100, hits, 100, hits, 0, 0, 0)
+
+
+def test_the_recommendation_prefers_the_default_on_a_tie_and_says_why_when_it_does_not() -> None:
+    tie = [_stats(k, 10, 80) for k in ("shm-fifo", "shm-freq", "shm-adaptive", "lru")]
+    lines = recommend(tie, 0.7, workers=8)
+    assert lines[-1].startswith("recommended: cache kind shm-adaptive")
+    ahead = [_stats("shm-freq", 10, 80), _stats("shm-adaptive", 10, 60),
+             _stats("shm-adaptive", 20, 85)]
+    lines = recommend(ahead, 0.7, workers=8)
+    assert lines[-2].startswith("recommended: cache kind shm-freq")
+    assert "shm-adaptive, the default, needs 20 B" in lines[-1]
+
+
+def test_the_check_takes_a_hit_as_the_value_stored_whatever_size_the_trace_asks_now() -> None:
+    """A trace may give one key several sizes; the real cache then returns what it stored."""
+    trace = [("a", 1000), ("b", 500), ("a", 3000), ("a", 200), ("b", 500)]
+    assert real_hits("shm-fifo", trace, 1 << 20, 2) == [False, False, True, True, True]

