@@ -121,10 +121,13 @@ def _commands(code: str) -> list[list[str]]:
     commands = []
     for line in joined.splitlines():
         words = shlex.split(line, comments=True)
-        while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]):
-            words = words[1:]
-        if words:
-            commands.append(words)
+        while words:  # `a && b` is two commands
+            cut = words.index("&&") if "&&" in words else len(words)
+            command, words = words[:cut], words[cut + 1:]
+            while command and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", command[0]):
+                command = command[1:]
+            if command:
+                commands.append(command)
     return commands
 
 
@@ -209,6 +212,12 @@ def _check_command(argv: list[str], cwd: Path) -> None:
         _check_pytest(argv)
     elif argv[0] == ".venv/bin/python" and argv[1].startswith("bench/"):
         assert (ROOT / argv[1]).is_file(), f"{argv[1]} does not exist"
+    elif program == "git":
+        repo = re.search(r"^repo_url: (\S+)", (ROOT / "mkdocs.yml").read_text(), re.M)
+        assert repo and argv == ["git", "clone", repo.group(1)], (
+            f"{shlex.join(argv)}: clone the project's repository ({repo and repo.group(1)})")
+    elif program == "cd":
+        assert argv == ["cd", "shmstore"], "only into the clone"
     elif program == "docker":
         assert "--shm-size" in " ".join(argv), "a docker command here is about /dev/shm's size"
     else:

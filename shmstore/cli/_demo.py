@@ -10,6 +10,7 @@ the tensor against the frontend's checksum.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import random
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..cache._caches import CACHE_KINDS, DEFAULT_KIND, PAYLOAD_HANDLE, ReceiverCache, SenderCache
 from ..cache._hashing import mm_hash
+from ..cache._hitsim import make_sim, working_set_bytes
 from ..errors import Closed
 from ..queue._channel import Channel
 from ..serde._codec import Blank
@@ -173,6 +175,8 @@ class DemoResult:
     bytes_to_shm: int
     bytes_resolved: int
     transport_bytes: int
+    items: list[tuple[str, int]]  # (key, bytes) per request, for the comparison line
+    capacity: int
 
 
 def run_demo(args: argparse.Namespace) -> DemoResult:
@@ -197,6 +201,8 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
                 p.start()
             ch.wait_for_readers(timeout=120)
             sums: dict[str, str] = {}
+            sizes: dict[str, int] = {}
+            items: list[tuple[str, int]] = []
             bytes_to_shm = transport = 0
             progress = _progress(len(stream), args.no_progress)
             start = time.perf_counter()
@@ -220,12 +226,14 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
                                 "image_size": image.size}
                     payload = sender.process_into(key, template, fill)
                 if made:
+                    sizes[key] = made[0].nbytes
                     if args.processor == "hf":
                         sums[key] = checksum(made[0])
                     if payload[0] == PAYLOAD_HANDLE:
                         bytes_to_shm += made[0].nbytes
                     else:
                         transport += made[0].nbytes
+                items.append((key, sizes[key]))
                 ch.send({"request_id": request_id, "payload": payload, "checksum": sums[key]},
                         timeout=120)
                 progress.update(1)
@@ -248,6 +256,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         errors=[f"worker {i}: {e}" for i, _, _, _, e in reports if e],
         stats=stats, bytes_to_shm=bytes_to_shm,
         bytes_resolved=sum(b for _, _, _, b, _ in reports), transport_bytes=transport,
+        items=items, capacity=capacity,
     )
 
 
@@ -290,10 +299,45 @@ def print_summary(args: argparse.Namespace, r: DemoResult) -> None:
         print(f"{k:<{width}}  {v}")
     for e in r.errors:
         print(e)
+    if ok:
+        print(compare(args, r))
+
+
+def compare(args: argparse.Namespace, r: DemoResult) -> str:
+    """One line: this run's bytes sent by value and cache memory against the other side's
+    (vLLM's default mirrored LRU, or shm-adaptive for an lru run), the other replayed on these
+    requests at the same budget (cache/_hitsim.py, the replay `shmstore hitrate` checks)."""
+    other = "lru" if args.cache != "lru" else DEFAULT_KIND
+    sim = make_sim(other, r.capacity, args.workers)
+    for key, nbytes in r.items:
+        sim.request(key, nbytes)
+    st = sim.stats()
+    held = min(r.capacity, working_set_bytes(r.items))
+    by_value = st.bytes_requested - st.bytes_hit + st.inline if other == "lru" else 0
+    memory = held * args.workers if other == "lru" else r.capacity
+    mine = f"{r.transport_bytes / 1e6:.0f} MB sent by value, {r.stats.memory_bytes / 1e6:.0f} MB of cache memory"
+    theirs = f"{by_value / 1e6:.0f} MB and up to {memory / 1e6:.0f} MB"
+    name = "vLLM's default, a mirrored LRU" if other == "lru" else f"shmstore's {other}"
+    return (f"result: every tensor verified; {args.cache}: {mine}; {name} at the same budget, "
+            f"replayed on these requests: {theirs}")
+
+
+def missing_extra(args: argparse.Namespace) -> str | None:
+    """The hint to print when a package the demo needs is not installed, else None."""
+    needed = ["PIL"] + ([] if args.no_progress else ["tqdm"])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"shmstore demo needs {' and '.join('Pillow' if m == 'PIL' else m for m in missing)}: "
+            "pip install '.[demo]' in the checkout, or run scripts/demo.sh, which installs it")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo; return the exit status (0 when every tensor was verified)."""
+    hint = missing_extra(args)
+    if hint is not None:
+        print(hint, file=sys.stderr)
+        return 2
     def terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 

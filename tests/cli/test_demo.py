@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +35,41 @@ def test_demo_end_to_end(kind: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verification                 OK: worker 0 40/40, worker 1 40/40" in out.stdout
     assert "hit ratio" in out.stdout and "requests/s" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    other = "shmstore's shm-adaptive" if kind == "lru" else "vLLM's default, a mirrored LRU"
+    assert last.startswith(f"result: every tensor verified; {kind}: ") and other in last, last
     assert shm_entries() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_result_line_matches_a_real_lru_run() -> None:
+    """The shm run's replayed mirrored-LRU bytes by value equal what a real lru run sends."""
+    args = ["--requests", "60", "--images", "15", "--cache-gb", "0.03", "--no-progress"]
+    runs = {kind: subprocess.run([sys.executable, "-m", "shmstore", "demo", "--cache", kind, *args],
+                                 capture_output=True, text=True, timeout=140, env=ENV)
+            for kind in ("shm-adaptive", "lru")}
+    for run in runs.values():
+        assert run.returncode == 0, run.stdout + run.stderr
+    replayed = re.search(r"replayed on these requests: (\d+) MB", runs["shm-adaptive"].stdout)
+    real = re.search(r"result: every tensor verified; lru: (\d+) MB sent by value",
+                     runs["lru"].stdout)
+    assert replayed and real and replayed.group(1) == real.group(1), (replayed, real)
+
+
+def test_without_its_extra_the_demo_gives_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    from shmstore.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "PIL" else real(name, *a))
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["shmstore demo needs Pillow: pip install '.[demo]' in the checkout, or run "
+                   "scripts/demo.sh, which installs it"]
 
 
 @pytest.mark.slow
