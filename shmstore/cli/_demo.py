@@ -315,7 +315,8 @@ def compare(args: argparse.Namespace, r: DemoResult) -> str:
     held = min(r.capacity, working_set_bytes(r.items))
     by_value = st.bytes_requested - st.bytes_hit + st.inline if other == "lru" else 0
     memory = held * args.workers if other == "lru" else r.capacity
-    mine = f"{r.transport_bytes / 1e6:.0f} MB sent by value, {r.stats.memory_bytes / 1e6:.0f} MB of cache memory"
+    mine = (f"{r.transport_bytes / 1e6:.0f} MB sent by value, "
+            f"{r.stats.memory_bytes / 1e6:.0f} MB of cache memory")
     theirs = f"{by_value / 1e6:.0f} MB and up to {memory / 1e6:.0f} MB"
     name = "vLLM's default, a mirrored LRU" if other == "lru" else f"shmstore's {other}"
     return (f"result: every tensor verified; {args.cache}: {mine}; {name} at the same budget, "
