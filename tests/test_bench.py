@@ -162,3 +162,11 @@ def test_bench_frontends_prints_shared_against_separate(tmp_path: Path) -> None:
     assert "shared - separate lru" in out and "zipf-0.8  2  25%" in out
     rows = list(csv.DictReader(open(tmp_path / "frontends.csv")))
     assert len(rows) == 4 and all(float(r["shared_adaptive"]) > float(r["separate_lru"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_scrape_compares_stats_with_the_full_walk() -> None:
+    out = run_printing_script("bench_scrape.py", "--objects", "2000", "--readers", "3")
+    assert "2,000 objects, 3 readers" in out
+    for label in ("stats()", "walk of every object", "Prometheus scrape", "stats() / walk"):
+        assert label in out, out

@@ -83,6 +83,7 @@ class Chunk:
     payload_bytes: int
     owner: Any = None
     tombstoned: bool = False
+    through: int = 0  # chunk bytes allocated up to and including this one since the ring emptied
 
 
 def _check_word(seq: int, chunk_bytes: int, payload_bytes: int, epoch: int) -> int:
@@ -236,8 +237,20 @@ class RingWriter(ShmRingBuffer):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held by live chunks, headers included (O(chunks))."""
-        return sum(chunk.chunk_bytes for chunk in self)  # a snapshot (see __iter__)
+        """Bytes held by live chunks, headers included: O(1), from the oldest and the newest
+        chunk's running totals (chunks leave oldest first, so those between add up)."""
+        chunks = self._chunks
+        for _ in range(99):  # another thread's put or pop may change the deque between reads
+            try:
+                oldest, newest = chunks[0], chunks[-1]
+            except IndexError:
+                if not chunks:
+                    return 0
+                continue
+            used = newest.through - oldest.through + oldest.chunk_bytes
+            if used >= 0:
+                return used
+        return sum(chunk.chunk_bytes for chunk in self)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -292,9 +305,11 @@ class RingWriter(ShmRingBuffer):
             self.segment.buf, address, seq, chunk_bytes, nbytes,
             _check_word(seq, chunk_bytes, nbytes, self._epoch),
         )
-        chunk = Chunk(address, seq, chunk_bytes, nbytes)
+        chunks = self._chunks
+        chunk = Chunk(address, seq, chunk_bytes, nbytes,
+                      through=(chunks[-1].through if chunks else 0) + chunk_bytes)
         self._next_seq = seq + 1
-        self._chunks.append(chunk)  # the commit: one statement
+        chunks.append(chunk)  # the commit: one statement
         return chunk
 
     def payload(self, chunk: Chunk) -> memoryview:

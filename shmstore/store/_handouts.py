@@ -97,6 +97,7 @@ class HandOuts:
         """Renumber the last hand-out of `handle` as one made now; StoreWriter.hand_out_again says more."""
         entry = self._handed_out(handle)
         number = self.seq + 1
+        self._index.handed_out(entry)
         entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
         self._advance(number)
         return entry.handle
@@ -123,6 +124,7 @@ class HandOuts:
     def make(self, entry: Entry, done: list[tuple[Entry, int]]) -> None:
         number = self.seq + 1
         done.append((entry, number))
+        self._index.handed_out(entry)  # first: an entry listed in vain costs a scrape one look
         entry.handouts.append(number)
         self._advance(number)
 

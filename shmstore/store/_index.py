@@ -3,6 +3,7 @@ writer's own memory; store/_writer.py has the exception-safety rules every chang
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from ..handle import Handle, check_key
@@ -27,17 +28,38 @@ class Entry:
     origin: int = 0  # seq of the put that wrote these bytes (the header's origin_seq)
     ended: set[int] = field(default_factory=set)  # hand-outs whose users said they are over
     narrowed: dict[int, int] = field(default_factory=dict)  # hand-out -> mask of its readers
+    outs: int = 0  # hand-outs made, ever: the scrape's way to see one made while it looked
 
 
 class Index:
     """`by_key`: the entry each key names now. `by_seq`: every live entry by its chunk's seq,
-    also one that clear(keep_handed_out=True) kept for its readers and no key names."""
+    also one that clear(keep_handed_out=True) kept for its readers and no key names.
+    `unread`: the entries of `by_seq` handed out since `stats()` last found every read of them
+    done, the only ones that can owe a read to an attached reader (reads only ever lower what
+    is owed; only the writer raises it, by handing out). The writer adds and drops entries, a
+    scrape in another thread removes the settled ones; both under `lock`."""
 
-    __slots__ = ("by_key", "by_seq")
+    __slots__ = ("by_key", "by_seq", "lock", "unread")
 
     def __init__(self) -> None:
         self.by_key: dict[str | bytes, Entry] = {}
         self.by_seq: dict[int, Entry] = {}
+        self.unread: dict[int, Entry] = {}
+        self.lock = threading.RLock()  # a signal handler's stats() in the writer's thread
+
+    def handed_out(self, entry: Entry) -> None:
+        """Called before each hand-out of `entry` is recorded: it may owe reads from now on."""
+        with self.lock:
+            entry.outs += 1
+            self.unread[entry.chunk.seq] = entry
+
+    def forget(self, seq: int, entry: Entry) -> None:
+        """`entry` no longer lives at chunk `seq` (dropped, or copied elsewhere)."""
+        if self.by_seq.get(seq) is entry:
+            del self.by_seq[seq]
+        if self.unread.get(seq) is entry:
+            with self.lock:
+                self.unread.pop(seq, None)
 
     def lookup(self, key: str | bytes) -> Entry | None:
         """The live entry of `key` (InvalidKey for a key that is not one), None if none."""
@@ -56,8 +78,7 @@ class Index:
         entry.live = False  # first: lookups now ignore it, whatever happens next
         if self.names(entry):
             del self.by_key[entry.key]
-        if self.by_seq.get(entry.chunk.seq) is entry:
-            del self.by_seq[entry.chunk.seq]
+        self.forget(entry.chunk.seq, entry)
 
     def __len__(self) -> int:
         return sum(1 for e in self.by_key.values() if e.live)

@@ -29,40 +29,60 @@ class ReaderLedger:
         self._liveness = liveness
         self._n = self.n_readers = table.n_readers
 
+    def rows(self, force: bool) -> list[tuple[int, int, int, int]]:
+        """Per reader, what owed() needs of its row now: (status, generation, the last
+        hand-out before it attached, the hand-out it is done through in order)."""
+        words = self._words
+        table = self._table
+        rows = []
+        for r in range(self._n):
+            status, generation = self._liveness.status(r, force)
+            if status == ATTACHED:
+                row = table.row(r)
+                rows.append((status, generation, words.load_acquire(row + ROW_ATTACH_HANDOUT),
+                             words.load_acquire(row + ROW_DONE_THROUGH)))
+            else:
+                rows.append((status, generation, 0, 0))
+        return rows
+
     def owed(self, handouts: list[int], address: int, force: bool,
-             narrowed: dict[int, int] | None = None) -> list[int]:
+             narrowed: dict[int, int] | None = None,
+             rows: list[tuple[int, int, int, int]] | None = None) -> list[int]:
         """Reads each reader still owes on the object at `address`, handed out as numbered;
-        a hand-out in `narrowed` is owed only by the readers of its mask (bit r: reader r)."""
+        a hand-out in `narrowed` is owed only by the readers of its mask (bit r: reader r).
+        `rows` (from rows()) saves reading the rows again for each of many objects."""
         n = self._n
         if not handouts:
             return [0] * n
-        words = self._words
-        table = self._table
+        if rows is None:
+            rows = self.rows(force)
+        load = self._words.load_acquire
+        base = counter_offset(address, 0)  # reader r's counter is 8 r bytes on
         owed = [0] * n
         every = handouts
-        for r in range(n):
+        for r, (status, generation, after, through) in enumerate(rows):
             if narrowed:
                 handouts = [h for h in every if h not in narrowed or narrowed[h] >> r & 1]
                 if not handouts:
                     continue
-            status, generation = self._liveness.status(r, force)
-            if status == NEVER:
-                owed[r] = len(handouts)
-                continue
             if status != ATTACHED:
+                if status == NEVER:
+                    owed[r] = len(handouts)
                 continue
-            row = table.row(r)
-            after = words.load_acquire(row + ROW_ATTACH_HANDOUT)
-            through = words.load_acquire(row + ROW_DONE_THROUGH)
             if through:  # an in-order reader: what comes after `through` is owed, once each
                 owed[r] = sum(h > after and h > through for h in handouts)
                 continue
             count = len(handouts) if handouts[0] > after else sum(h > after for h in handouts)
             if count:
-                word = words.load_acquire(counter_offset(address, r))
+                word = load(base + 8 * r)
                 reads = word & COUNT_MASK if word >> 32 == generation else 0
-                owed[r] = max(0, count - reads)
+                if count > reads:
+                    owed[r] = count - reads
         return owed
+
+    def never_attached(self, reader: int) -> bool:
+        """Whether reader index `reader` has never attached (it owes every hand-out)."""
+        return self._liveness.status(reader)[0] == NEVER
 
     def pinned_by(self, seq: int) -> tuple[int, ...]:
         """Attached readers that are inside the chunk `seq` now."""

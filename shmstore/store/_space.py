@@ -68,7 +68,36 @@ class Space:
             ring.pop_oldest(oldest)
 
     def lag(self) -> tuple[list[int], int]:
-        """(hand-outs each reader owes on live objects, live objects)."""
+        """(hand-outs each reader owes on live objects, live objects): O(readers x objects
+        handed out since the last call), or a walk of the ring while a reader index has never
+        attached (it owes every hand-out)."""
+        n = self.ledger.n_readers
+        if any(self.ledger.never_attached(r) for r in range(n)):
+            return self.recount()
+        index = self.index
+        with index.lock:
+            looked = [(seq, entry, entry.outs) for seq, entry in index.unread.items()]
+        lag = [0] * n
+        settled = []
+        rows = self.ledger.rows(force=False)
+        owed_of = self.ledger.owed
+        for seq, entry, outs in looked:
+            owed = (owed_of(entry.handouts, entry.chunk.address, False, entry.narrowed, rows)
+                    if entry.live else [0] * n)
+            if any(owed):
+                for r, count in enumerate(owed):
+                    lag[r] += count
+            else:
+                settled.append((seq, entry, outs))
+        if settled:
+            with index.lock:
+                for seq, entry, outs in settled:  # unless handed out again meanwhile
+                    if entry.outs == outs and index.unread.get(seq) is entry:
+                        del index.unread[seq]
+        return lag, len(index.by_seq)
+
+    def recount(self) -> tuple[list[int], int]:
+        """lag() by a walk of every live object in the ring: O(objects x readers)."""
         lag = [0] * self.ledger.n_readers
         objects = 0
         for chunk in self.ring:
@@ -191,8 +220,7 @@ class Space:
             self.evict(entry)
             return pinned
         ring.pop_oldest(old)
-        if self.index.by_seq.get(old.seq) is entry:
-            del self.index.by_seq[old.seq]
+        self.index.forget(old.seq, entry)
         if not ring.fits(len(saved)) or (ring.fits(self.wanted) and not self.oldest_free()):
             # no room for the copy; or the put fits in the space it leaves while the next
             # object is still owed: copied forward, it would take that space and the put fail

@@ -514,8 +514,10 @@ class StoreWriter(StoreBase):
             self._guard_leave()
 
     def stats(self) -> StoreStats:
-        """Return counters and what each reader owes; O(objects x readers). Safe from another
-        thread (a metrics scrape) while this writer's own thread puts."""
+        """Return counters and what each reader owes. Safe from another thread (a metrics
+        scrape) while this writer's own thread puts. O(readers x objects handed out since the
+        last call): the objects every reader has read are not looked at again until they are
+        handed out again; while a reader index has never attached, O(objects x readers)."""
         self._guard_check()
         for _ in range(STATS_TRIES - 1):  # from another thread, a call in flight may change
             try:                             # what is read: read again

@@ -1,0 +1,175 @@
+"""stats() counts what each reader owes without walking every object, and its numbers equal a
+full recount (Space.recount, the walk stats() made before) after any traffic: random puts,
+hits, reads, discards, give-backs, narrowing, ended hand-outs, withdrawals, clears, reserves,
+readers that close and attach again, a reader index never attached, and a scrape thread
+running while the writer works."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmstore import Blank, ObjectStore
+from shmstore.errors import ShmStoreError, StaleHandle
+
+
+def _recount(writer: Any) -> tuple[list[int], int]:
+    return writer._space.recount()
+
+
+def _check(writer: Any) -> None:
+    stats = writer.stats()
+    lag, objects = _recount(writer)
+    assert (list(stats.reader_lag), stats.objects) == (lag, objects)
+
+
+class Traffic:
+    """One writer, three reader indexes in this process, and a record of what was handed out."""
+
+    def __init__(self, name: str, seed: int, attach: tuple[int, ...] = (0, 1, 2)) -> None:
+        self.rng = random.Random(seed)
+        self.writer = ObjectStore.create(name, n_readers=3, capacity_bytes=256 << 10,
+                                         policy=self.rng.choice(["fifo", "adaptive", "recency"]))
+        self.name = name
+        self.readers: dict[int, Any] = {r: ObjectStore.attach(name, reader=r) for r in attach}
+        self.handles: list[Any] = []  # (handle, number) of hand-outs made
+        self.keys = 0
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.writer.close()
+
+    def step(self) -> None:
+        rng, writer = self.rng, self.writer
+        op = rng.choice(["put", "put", "hit", "read", "read", "discard", "give_back", "narrow",
+                         "end", "withdraw", "again", "reserve", "clear", "reattach"])
+        try:
+            if op == "put":
+                self.keys += 1
+                h = writer.put(f"k{self.keys}", {"a": np.full(rng.randint(1, 3000), 7, np.uint8)})
+                self.handles.append((h, writer._handouts.seq))
+            elif op == "hit" and self.keys:
+                h = writer.get_cached(f"k{rng.randint(1, self.keys)}")
+                self.handles.append((h, writer._handouts.seq))
+            elif op in ("read", "discard") and self.handles and self.readers:
+                h, _ = rng.choice(self.handles)
+                reader = self.readers[rng.choice(list(self.readers))]
+                if op == "read":
+                    reader.get(h)
+                else:
+                    reader.discard(h)
+            elif op == "give_back" and self.handles:
+                writer.give_back(*self.handles.pop(rng.randrange(len(self.handles))))
+            elif op == "narrow" and self.handles:
+                h, n = rng.choice(self.handles)
+                writer.narrow(h, n, rng.sample(range(3), rng.randint(1, 2)))
+            elif op == "end" and self.handles:
+                h, n = rng.choice(self.handles)
+                writer.end_handouts([(h, [n])])
+            elif op == "withdraw" and self.handles:
+                writer.withdraw(rng.choice(self.handles)[0])
+            elif op == "again" and self.handles:
+                writer.hand_out_again(rng.choice(self.handles)[0])
+            elif op == "reserve":
+                self.keys += 1
+                with writer.reserve(f"k{self.keys}", {"a": Blank((rng.randint(1, 2000),),
+                                                                 "uint8")}) as r:
+                    r.arrays["a"][:] = 3
+                    if rng.random() < 0.2:
+                        raise KeyError("the block fails: nothing stored")
+                self.handles.append((r.handle, writer._handouts.seq))
+            elif op == "clear" and rng.random() < 0.2:
+                writer.clear(keep_handed_out=rng.random() < 0.5)
+            elif op == "reattach" and self.readers:
+                r = rng.choice(list(self.readers))
+                self.readers.pop(r).close()
+                self.readers[r] = ObjectStore.attach(self.name, reader=r)
+        except KeyError:
+            pass
+        except (StaleHandle, ShmStoreError):
+            pass  # a handle gone, a full store: what traffic meets; the counts must still agree
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stats_equal_a_full_recount_after_random_traffic(name: str, seed: int) -> None:
+    traffic = Traffic(name, seed)
+    try:
+        for i in range(400):
+            traffic.step()
+            if i % 7 == 0:
+                _check(traffic.writer)
+        _check(traffic.writer)
+        assert traffic.writer.stats().objects > 0
+    finally:
+        traffic.close()
+
+
+def test_a_reader_never_attached_owes_everything_and_then_only_what_comes_after(
+        name: str) -> None:
+    traffic = Traffic(name, 11, attach=(0, 1))
+    try:
+        h = traffic.writer.put("first", {"a": np.zeros(10, np.uint8)})
+        traffic.readers[0].get(h)
+        traffic.readers[1].get(h)
+        assert traffic.writer.stats().reader_lag == (0, 0, 1)  # reader 2 owes it, unattached
+        for _ in range(150):
+            traffic.step()
+            _check(traffic.writer)
+        traffic.readers[2] = ObjectStore.attach(name, reader=2)
+        for _ in range(150):
+            traffic.step()
+            _check(traffic.writer)
+    finally:
+        traffic.close()
+
+
+def test_a_scrape_thread_beside_the_writer_never_loses_an_unread_hand_out(name: str) -> None:
+    """Scrapes race with hand-outs; once the writer stops, a scrape equals the recount."""
+    traffic = Traffic(name, 5)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                traffic.writer.stats()
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    try:
+        for _ in range(1500):
+            traffic.step()
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    try:
+        assert not errors, errors
+        _check(traffic.writer)
+    finally:
+        traffic.close()
+
+
+def test_a_scrape_looks_only_at_what_was_handed_out_since_the_last(name: str) -> None:
+    writer = ObjectStore.create(name, n_readers=2, capacity_bytes=8 << 20)
+    readers = [ObjectStore.attach(name, reader=r) for r in range(2)]
+    try:
+        handles = [writer.put(f"k{i}", {"a": np.zeros(100, np.uint8)}) for i in range(500)]
+        for reader in readers:
+            for h in handles[:-3]:
+                reader.get(h)
+        assert writer.stats().reader_lag == (3, 3)
+        assert len(writer._index.unread) == 3  # the rest were settled and are not looked at
+        writer.get_cached("k0")
+        assert writer.stats().reader_lag == (4, 4) and len(writer._index.unread) == 4
+    finally:
+        for reader in readers:
+            reader.close()
+        writer.close()
