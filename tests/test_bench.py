@@ -89,6 +89,7 @@ def test_bench_policy_cost_runs() -> None:
         assert f"{policy}: hit" in out
     assert "adaptive's shadows alone (requested): hit" in out
     assert out.count("bytes per object)") == 3
+    assert " adaptive / freq: hit " in out and " adaptive - freq: " in out
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ start their own readers with the spawn start method).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -185,12 +186,16 @@ def _check_pytest(argv: list[str]) -> None:
         f"{selected.group(1)} of {selected.group(2)}: update the README")
 
 
-def _check_vllm_serve(argv: list[str]) -> None:
-    pytest.importorskip("vllm")
+@functools.cache
+def _vllm_serve_flags() -> frozenset[str]:
     from shmstore.vllm._vllm import serve_parser  # the door to vLLM's own parser
 
-    parser = serve_parser()
-    known = {s for action in parser._actions for s in action.option_strings}
+    return frozenset(s for action in serve_parser()._actions for s in action.option_strings)
+
+
+def _check_vllm_serve(argv: list[str]) -> None:
+    pytest.importorskip("vllm")
+    known = _vllm_serve_flags()
     flags = {a.split("=")[0] for a in argv if a.startswith("--")}
     assert flags <= known, f"flags vLLM's serve does not know: {flags - known}"
 

@@ -32,7 +32,8 @@ workload needs is what `adaptive` learns.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Hashable
 
 from ..errors import InvalidArgument
@@ -173,6 +174,10 @@ _TICK_MASK = (1 << _TICK_BITS) - 1
 _LAST_SHIFT = 3
 
 
+_BYTES_BITS = 52  # a chunk's bytes in the recency LRU's int: rings hold at most 4 PiB
+_BYTES_MASK = (1 << _BYTES_BITS) - 1
+
+
 def _pack(count: int, since: int, last: int) -> int:
     return ((last & _TICK_MASK) << _LAST_SHIFT) | since | count
 
@@ -196,7 +201,8 @@ class RecencyPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._now = 0
-        self._recent: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # (tick, bytes)
+        # key -> tick << _BYTES_BITS | bytes: one int, not a tuple of two
+        self._recent: OrderedDict[Hashable, int] = OrderedDict()
         self._recent_bytes = 0
         self._recent_limit = 0.0
 
@@ -210,11 +216,12 @@ class RecencyPolicy(EvictionPolicy):
         recent = self._recent
         old = recent.pop(key, None)
         if old is not None:
-            self._recent_bytes -= old[1]
-        recent[key] = (self._now + 1, chunk_bytes)  # the tick admitted() or hit() gives it
+            self._recent_bytes -= old & _BYTES_MASK
+        # the tick admitted() or hit() gives it (int(): a trace may give numpy's ints)
+        recent[key] = (self._now + 1) << _BYTES_BITS | int(chunk_bytes)
         self._recent_bytes += chunk_bytes
         while self._recent_bytes > self._recent_limit and recent:
-            self._recent_bytes -= recent.popitem(last=False)[1][1]
+            self._recent_bytes -= recent.popitem(last=False)[1] & _BYTES_MASK
         if not recent:
             self._recent_bytes = 0
 
@@ -223,7 +230,7 @@ class RecencyPolicy(EvictionPolicy):
         recent = self._recent
         if not recent:
             return False
-        oldest_age = self._now - next(iter(recent.values()))[0]
+        oldest_age = self._now - (next(iter(recent.values())) >> _BYTES_BITS)
         return ((self._now - (uses >> _LAST_SHIFT)) & _TICK_MASK) <= oldest_age
 
     def _admit(self, count: int) -> int:
@@ -253,41 +260,90 @@ class RingReplay:
     (`shm.ring.place_chunk`) and its reclaim loop when every reader is done with every object.
 
     `AdaptivePolicy` runs one per rival policy; `cache.hitsim.RingSim` runs one per replay.
+    The chunks, oldest first, are three circular buffers (addresses and sizes in int arrays,
+    keys in a list: 24 bytes a chunk, not a tuple and an int object each) between two running
+    counts, `_first` (chunks ever popped) and `_end` (chunks ever pushed); each change commits
+    in one statement.
     """
 
     def __init__(self, policy: EvictionPolicy, capacity_bytes: int) -> None:
         self.policy = policy
         self.capacity_bytes = capacity_bytes
-        self._chunks: deque[tuple[int, int, Hashable]] = deque()  # (address, bytes, key)
+        self._buffers = _chunk_buffers(16)  # (addresses, sizes, keys), each of one length
+        self._first = self._end = 0
         self._uses: dict[Hashable, int] = {}
         self.evictions = self.bytes_reinserted = 0
+        # fifo's, reinsert's and freq's requested() do nothing: not calling it saves a call
+        self._requests = type(policy).requested is not EvictionPolicy.requested
         policy.start(capacity_bytes)
 
+    def chunks(self) -> list[tuple[int, int, Hashable]]:
+        """(address, bytes, key) of every chunk, oldest first (for checks; O(chunks))."""
+        addresses, sizes, keys = self._buffers
+        n = len(addresses)
+        return [(addresses[i % n], sizes[i % n], keys[i % n])
+                for i in range(self._first, self._end)]
+
     def _place(self, chunk_bytes: int) -> int | None:
-        chunks = self._chunks
-        if not chunks:
+        first, end = self._first, self._end
+        if first == end:
             return place_chunk(0, self.capacity_bytes, None, 0, chunk_bytes)
-        return place_chunk(0, self.capacity_bytes, chunks[0][0],
-                           chunks[-1][0] + chunks[-1][1], chunk_bytes)
+        addresses, sizes, _ = self._buffers
+        n = len(addresses)
+        newest = (end - 1) % n
+        return place_chunk(0, self.capacity_bytes, addresses[first % n],
+                           addresses[newest] + sizes[newest], chunk_bytes)
+
+    def _push(self, address: int, chunk_bytes: int, key: Hashable) -> None:
+        buffers = self._buffers
+        n = len(buffers[0])
+        if self._end - self._first == n:  # full: twice the room, in the same order
+            grown = _chunk_buffers(2 * n)
+            for i in range(self._first, self._end):
+                grown[0][i % (2 * n)] = buffers[0][i % n]
+                grown[1][i % (2 * n)] = buffers[1][i % n]
+                grown[2][i % (2 * n)] = buffers[2][i % n]
+            self._buffers = buffers = grown  # the commit of the growth
+            n *= 2
+        slot = self._end % n
+        buffers[0][slot] = address
+        buffers[1][slot] = chunk_bytes
+        buffers[2][slot] = key
+        self._end += 1  # the commit
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._uses
+
+    def uses_of(self, key: Hashable) -> int | None:
+        """The policy's record of `key`, None if the ring does not hold it."""
+        return self._uses.get(key)
+
+    def hit(self, key: Hashable, uses: int) -> None:
+        """`key`, which the ring holds, now has the record `uses` (the policy's hit() of its
+        old one, after its requested())."""
+        self._uses[key] = uses
 
     def request(self, key: Hashable, chunk_bytes: int) -> bool:
         """One request for `key`, whose object takes `chunk_bytes` (at most the capacity) of
         ring; True on a hit."""
         uses = self._uses
         policy = self.policy
-        if key in uses:
-            policy.requested(key, chunk_bytes)
-            uses[key] = policy.hit(uses[key])
+        old = uses.get(key)
+        if old is not None:
+            if self._requests:
+                policy.requested(key, chunk_bytes)
+            uses[key] = policy.hit(old)
             return True
         budget = policy.copy_budget(chunk_bytes)
         # An exception (a signal handler's, inside a store's put) may stop this between any two
         # lines: a key's record is written before its chunk, and a chunk without a record is
         # skipped at the tail, so the replay never raises for what an earlier call left half done.
         while (address := self._place(chunk_bytes)) is None:  # the store's _make_room
-            _, old_bytes, old_key = self._chunks.popleft()
+            _, sizes, keys = self._buffers
+            slot = self._first % len(sizes)
+            old_bytes, old_key = sizes[slot], keys[slot]
+            keys[slot] = None  # the buffer holds no key it no longer needs
+            self._first += 1  # the pop's commit
             old_uses = uses.pop(old_key, None)
             if old_uses is None:
                 continue
@@ -295,30 +351,38 @@ class RingReplay:
                 moved = self._place(old_bytes)
                 if moved is not None:
                     uses[old_key] = policy.kept(old_uses)
-                    self._chunks.append((moved, old_bytes, old_key))
+                    self._push(moved, old_bytes, old_key)
                     budget -= old_bytes
                     self.bytes_reinserted += old_bytes
                     continue
             self.evictions += 1
             policy.evicted(old_key, len(uses))
-        policy.requested(key, chunk_bytes)
+        if self._requests:
+            policy.requested(key, chunk_bytes)
         uses[key] = policy.admitted(key)
-        self._chunks.append((address, chunk_bytes, key))
+        self._push(address, chunk_bytes, key)
         return False
 
     def clear(self) -> None:
-        self._chunks.clear()
+        self._buffers = _chunk_buffers(16)
+        self._first = self._end = 0
         self._uses.clear()
         self.policy.clear()
+
+
+def _chunk_buffers(n: int) -> tuple[array[int], array[int], list[Hashable]]:
+    return array("q", bytes(8 * n)), array("q", bytes(8 * n)), [None] * n
 
 
 class AdaptivePolicy(FreqPolicy):
     """Apply the rule of whichever rival (freq, reinsert, recency) hits most lately.
 
     Each rival runs as a shadow `RingReplay` of the store's capacity on every request (keys
-    and sizes only: 3.9 us a hit and 7.8 us a miss for the three, measured warm by
-    bench/bench_policy_cost.py; and about 800 bytes per cached object in the writer's memory,
-    all shadows together). Its hits are summed
+    and sizes only). The recency shadow's policy is also the one this policy judges its own
+    objects by: one LRU of keys and one clock serve both (the shadow updates the LRU and ticks
+    the clock in `requested`, before the store's `admitted` or `hit` reads the clock; each sees
+    the LRU as the previous request left it when it decides at its tail, as two copies did).
+    Its hits are summed
     with exponential decay over about `window_requests`; the object at the tail is judged by the
     rule, and the put's copy budget set by the factor, of the rival with the highest sum.
     """
@@ -333,7 +397,7 @@ class AdaptivePolicy(FreqPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._recency = RecencyPolicy()  # its clock and its LRU of keys judge our objects
+        self._recency = RecencyPolicy()  # the recency shadow's: its clock and LRU judge ours too
         self._shadows: tuple[RingReplay, ...] = ()
         self._scores = [0.0] * len(self.rivals)
         self._decay = 1 - 1 / self.window_requests
@@ -346,17 +410,30 @@ class AdaptivePolicy(FreqPolicy):
         return self.rivals[self.mode]
 
     def start(self, capacity_bytes: int) -> None:
-        self._recency.start(capacity_bytes)
-        self._shadows = tuple(RingReplay(make_policy(name), capacity_bytes)
-                              for name in self.rivals)
+        self._shadows = tuple(
+            RingReplay(self._recency if name == "recency" else make_policy(name), capacity_bytes)
+            for name in self.rivals)
 
     def requested(self, key: Hashable, chunk_bytes: int) -> None:
-        self._recency.requested(key, chunk_bytes)
-        scores = self._scores
+        freq, reinsert, recency = self._shadows
         decay = self._decay
-        for i, shadow in enumerate(self._shadows):
-            scores[i] = scores[i] * decay + shadow.request(key, chunk_bytes)
-        best = max(range(len(scores)), key=scores.__getitem__)
+        in_freq, in_reinsert, in_recency = (freq.uses_of(key), reinsert.uses_of(key),
+                                            recency.uses_of(key))
+        if in_freq is not None and in_reinsert is not None and in_recency is not None:
+            # a hit in every shadow (most hits): what request() does, the rivals' hit() inlined
+            freq.hit(key, min(in_freq + 1, FreqPolicy.max_uses))
+            reinsert.hit(key, min(in_reinsert + 1, ReinsertPolicy.max_uses))
+            self._recency.requested(key, chunk_bytes)
+            recency.hit(key, self._recency.hit(in_recency))
+            found = (True, True, True)
+        else:
+            found = (freq.request(key, chunk_bytes), reinsert.request(key, chunk_bytes),
+                     recency.request(key, chunk_bytes))
+        scores = self._scores = [self._scores[0] * decay + found[0],
+                                 self._scores[1] * decay + found[1],
+                                 self._scores[2] * decay + found[2]]
+        first, second, third = scores  # the first of the highest, as max() picks
+        best = 0 if first >= second and first >= third else 1 if second >= third else 2
         if scores[best] > scores[self.mode]:
             self.mode = best
             self.switches += 1
@@ -366,10 +443,11 @@ class AdaptivePolicy(FreqPolicy):
 
     def admitted(self, key: Hashable) -> int:
         count = super().admitted(key)  # freq's: 2 for a key its ghosts remember
-        return self._recency._admit(count)
+        return _pack(count, 0, self._recency._now)  # the clock requested() moved on
 
     def hit(self, uses: int) -> int:
-        return self._recency.hit(uses)
+        return _pack(min((uses & _COUNT_MASK) + 1, self.max_uses), _SINCE_BIT,
+                     self._recency._now)
 
     def keep(self, uses: int, chunk_bytes: int, budget_bytes: int) -> bool:
         if chunk_bytes > budget_bytes:
@@ -388,7 +466,7 @@ class AdaptivePolicy(FreqPolicy):
         super().clear()
         self._recency.clear()
         for shadow in self._shadows:
-            shadow.clear()
+            shadow.clear()  # the recency shadow clears the shared LRU once more: harmless
         self._scores = [0.0] * len(self.rivals)
 
 
