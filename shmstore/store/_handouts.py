@@ -97,8 +97,9 @@ class HandOuts:
         """Renumber the last hand-out of `handle` as one made now; StoreWriter.hand_out_again says more."""
         entry = self._handed_out(handle)
         number = self.seq + 1
-        self._index.handed_out(entry)
-        entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
+        with self._index.lock:  # a scrape sees the new number with the entry listed
+            self._index.handed_out(entry)
+            entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
         self._advance(number)
         return entry.handle
 
@@ -124,8 +125,9 @@ class HandOuts:
     def make(self, entry: Entry, done: list[tuple[Entry, int]]) -> None:
         number = self.seq + 1
         done.append((entry, number))
-        self._index.handed_out(entry)  # first: an entry listed in vain costs a scrape one look
-        entry.handouts.append(number)
+        with self._index.lock:  # a scrape sees the new number with the entry listed
+            self._index.handed_out(entry)  # first: listed in vain costs a scrape one look
+            entry.handouts.append(number)
         self._advance(number)
 
     def _advance(self, number: int) -> None:

@@ -48,10 +48,11 @@ class Index:
         self.lock = threading.RLock()  # a signal handler's stats() in the writer's thread
 
     def handed_out(self, entry: Entry) -> None:
-        """Called before each hand-out of `entry` is recorded: it may owe reads from now on."""
-        with self.lock:
-            entry.outs += 1
-            self.unread[entry.chunk.seq] = entry
+        """`entry` may owe reads from now on. The caller holds `lock` from here until the
+        hand-out is recorded in `entry.handouts`: a scrape that looks at `entry` then sees
+        both or neither."""
+        entry.outs += 1
+        self.unread[entry.chunk.seq] = entry
 
     def forget(self, seq: int, entry: Entry) -> None:
         """`entry` no longer lives at chunk `seq` (dropped, or copied elsewhere)."""
