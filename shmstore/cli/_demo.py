@@ -313,7 +313,7 @@ def compare(args: argparse.Namespace, r: DemoResult) -> str:
         sim.request(key, nbytes)
     st = sim.stats()
     held = min(r.capacity, working_set_bytes(r.items))
-    by_value = st.bytes_requested - st.bytes_hit + st.inline if other == "lru" else 0
+    by_value = st.bytes_requested - st.bytes_hit if other == "lru" else 0  # lru's misses
     memory = held * args.workers if other == "lru" else r.capacity
     mine = (f"{r.transport_bytes / 1e6:.0f} MB sent by value, "
             f"{r.stats.memory_bytes / 1e6:.0f} MB of cache memory")

@@ -233,15 +233,22 @@ class RecencyPolicy(EvictionPolicy):
         oldest_age = self._now - (next(iter(recent.values())) >> _BYTES_BITS)
         return ((self._now - (uses >> _LAST_SHIFT)) & _TICK_MASK) <= oldest_age
 
-    def _admit(self, count: int) -> int:
-        self._now += 1
-        return _pack(count, 0, self._now)
-
     def admitted(self, key: Hashable) -> int:
-        return self._admit(0)
+        self._now += 1
+        return self.stamp_admitted(0)
 
     def hit(self, uses: int) -> int:
         self._now += 1
+        return self.stamp_hit(uses)
+
+    def stamp_admitted(self, count: int) -> int:
+        """The record of an object stored now with use count `count`, at this request's tick
+        (admitted() takes the tick; AdaptivePolicy stamps its own objects with it too)."""
+        return _pack(count, 0, self._now)
+
+    def stamp_hit(self, uses: int) -> int:
+        """The record after one more hand-out of the object of `uses`, at this request's tick
+        (hit() takes the tick first)."""
         return _pack(min((uses & _COUNT_MASK) + 1, self.max_uses), _SINCE_BIT, self._now)
 
     def keep(self, uses: int, chunk_bytes: int, budget_bytes: int) -> bool:
@@ -261,7 +268,8 @@ class RingReplay:
 
     `AdaptivePolicy` runs one per rival policy; `cache.hitsim.RingSim` runs one per replay.
     The chunks, oldest first, are three circular buffers (addresses and sizes in int arrays,
-    keys in a list: 24 bytes a chunk, not a tuple and an int object each) between two running
+    keys in a list: 24 bytes a chunk and room to grow, not a tuple and an int object each),
+    doubled when full, between two running
     counts, `_first` (chunks ever popped) and `_end` (chunks ever pushed); each change commits
     in one statement.
     """
@@ -319,9 +327,9 @@ class RingReplay:
         return self._uses.get(key)
 
     def hit(self, key: Hashable, uses: int) -> None:
-        """`key`, which the ring holds, now has the record `uses` (the policy's hit() of its
-        old one, after its requested())."""
-        self._uses[key] = uses
+        """A hit on `key`, which the ring holds with record `uses` (uses_of), once the policy's
+        requested() was called if it has one."""
+        self._uses[key] = self.policy.hit(uses)
 
     def request(self, key: Hashable, chunk_bytes: int) -> bool:
         """One request for `key`, whose object takes `chunk_bytes` (at most the capacity) of
@@ -420,11 +428,11 @@ class AdaptivePolicy(FreqPolicy):
         in_freq, in_reinsert, in_recency = (freq.uses_of(key), reinsert.uses_of(key),
                                             recency.uses_of(key))
         if in_freq is not None and in_reinsert is not None and in_recency is not None:
-            # a hit in every shadow (most hits): what request() does, the rivals' hit() inlined
-            freq.hit(key, min(in_freq + 1, FreqPolicy.max_uses))
-            reinsert.hit(key, min(in_reinsert + 1, ReinsertPolicy.max_uses))
+            # a hit in every shadow (most hits): what request() does, without looking again
+            freq.hit(key, in_freq)
+            reinsert.hit(key, in_reinsert)
             self._recency.requested(key, chunk_bytes)
-            recency.hit(key, self._recency.hit(in_recency))
+            recency.hit(key, in_recency)
             found = (True, True, True)
         else:
             found = (freq.request(key, chunk_bytes), reinsert.request(key, chunk_bytes),
@@ -443,11 +451,10 @@ class AdaptivePolicy(FreqPolicy):
 
     def admitted(self, key: Hashable) -> int:
         count = super().admitted(key)  # freq's: 2 for a key its ghosts remember
-        return _pack(count, 0, self._recency._now)  # the clock requested() moved on
+        return self._recency.stamp_admitted(count)  # at the tick requested() took
 
     def hit(self, uses: int) -> int:
-        return _pack(min((uses & _COUNT_MASK) + 1, self.max_uses), _SINCE_BIT,
-                     self._recency._now)
+        return self._recency.stamp_hit(uses)
 
     def keep(self, uses: int, chunk_bytes: int, budget_bytes: int) -> bool:
         if chunk_bytes > budget_bytes:
