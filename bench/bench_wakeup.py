@@ -111,13 +111,24 @@ def exchange_after_idle() -> dict[str, float]:
     return {label: statistics.median(t) * 1e6 for label, t in times.items()}
 
 
-def queue_reader(name: str, n: int, out: Any) -> None:
+def use_handoff(compiled: bool) -> Any:
+    """Make the queues this process creates or attaches take the compiled hand-off or the Python
+    path (queue/_layout.py); return what was set before."""
+    from shmstore.queue import _layout
+
+    before = _layout.SLOTS
+    _layout.SLOTS = _layout.COMPILED_SLOTS if compiled else None
+    return before
+
+
+def queue_reader(name: str, n: int, compiled: bool, out: Any) -> None:
     import shmstore.shm._wait as wait
 
+    use_handoff(compiled)
     woke: list[float] = []
     original = wait.Doorbell.wait
 
-    def timed_wait(self: Any, seconds: float) -> None:
+    def timed_wait(self: Any, seconds: float) -> None:  # the Python path's sleep
         original(self, seconds)
         woke.append(time.perf_counter())
 
@@ -129,6 +140,34 @@ def queue_reader(name: str, n: int, out: Any) -> None:
         rows.append((sent, woke[-1] if woke else 0.0, time.perf_counter()))
     out.put(rows)
     q.close()
+
+
+def queue_handoff(n: int, gap: float, warm: float, ctx: Any,
+                  compiled: bool) -> tuple[list[float], list[float]]:
+    """Put-to-get latency of a queue whose writer and reader take the compiled hand-off or the
+    Python path, one message per gap; and, on the Python path, the part until the reader's
+    semaphore wait returned."""
+    before = use_handoff(compiled)
+    try:
+        q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
+    finally:
+        use_handoff(before is not None)
+    out = ctx.Queue()
+    p = ctx.Process(target=queue_reader, args=(q.name, n, compiled, out))
+    p.start()
+    try:
+        q.wait_for_readers(60)
+        time.sleep(0.5)
+        for _ in range(n):
+            time.sleep(gap)
+            busy(warm)
+            q.put(time.perf_counter())
+        rows = out.get(timeout=120)
+    finally:
+        p.join(60)
+        q.close()
+    total = [done - sent for sent, _, done in rows]
+    return total, [woke - sent for sent, woke, _ in rows if woke > sent]
 
 
 def semaphore_reader(name: str, n: int, out: Any) -> None:
@@ -289,27 +328,23 @@ def main() -> None:
     print("put with no reader, after the writer was idle for: "
           + ", ".join(f"{g * 1e3:g} ms: {c:.1f} us" for g, c in costs.items()))
 
-    q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
+    from shmstore.shm._ordering import COMPILED_SLOTS, ORDERING
+
+    python_total, to_wake = queue_handoff(n, gap, warm, ctx, compiled=False)
+    print(f"queue, Python hand-off ({ORDERING} words), one message per {args.gap_ms:g} ms "
+          f"(writer busy {args.warm_ms:g} ms before each): put to get p50 "
+          f"{pct(python_total, 0.5):.0f} us, p99 {pct(python_total, 0.99):.0f} us; of which "
+          f"until the reader's wait returned p50 {pct(to_wake, 0.5):.0f} us")
+    total = python_total
+    if COMPILED_SLOTS is None:
+        print("queue, compiled hand-off: not built here (SHMSTORE_ORDERING or no C compiler)")
+    else:
+        total, _ = queue_handoff(n, gap, warm, ctx, compiled=True)
+        print(f"queue, compiled hand-off (the default), same pacing: put to get p50 "
+              f"{pct(total, 0.5):.0f} us, p99 {pct(total, 0.99):.0f} us; "
+              f"/ Python hand-off: p50 {pct(total, 0.5) / pct(python_total, 0.5):.2f}x, "
+              f"p99 {pct(total, 0.99) / pct(python_total, 0.99):.2f}x")
     out = ctx.Queue()
-    p = ctx.Process(target=queue_reader, args=(q.name, n, out))
-    p.start()
-    try:
-        q.wait_for_readers(60)
-        time.sleep(0.5)
-        for _ in range(n):
-            time.sleep(gap)
-            busy(warm)
-            q.put(time.perf_counter())
-        rows = out.get(timeout=120)
-    finally:
-        p.join(60)
-        q.close()
-    total = [done - sent for sent, _, done in rows]
-    to_wake = [woke - sent for sent, woke, _ in rows if woke > sent]
-    print(f"queue, one message per {args.gap_ms:g} ms (writer busy {args.warm_ms:g} ms before "
-          f"each): put to get p50 {pct(total, 0.5):.0f} us, "
-          f"p99 {pct(total, 0.99):.0f} us; of which until the reader's wait returned p50 "
-          f"{pct(to_wake, 0.5):.0f} us")
 
     import posix_ipc
 
@@ -327,8 +362,6 @@ def main() -> None:
         sem.close()
     floor = [g - s for g, s in zip(got, sent)]
     print(f"bare semaphore, same pacing: p50 {pct(floor, 0.5):.0f} us, p99 {pct(floor, 0.99):.0f} us")
-    from shmstore.shm._ordering import ORDERING
-
     c_calls = c_calls_handoff(n, gap, warm, ctx)
     print(f"hand-off of C calls only ({ORDERING} words), same pacing: p50 "
           f"{pct(c_calls, 0.5):.0f} us, p99 {pct(c_calls, 0.99):.0f} us")

@@ -12,8 +12,10 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["PID_MAX_LIMIT", "pid_alive", "proc_stat", "fork_generation", "int_arg", "number_arg"]
+__all__ = ["MAX_SECONDS", "PID_MAX_LIMIT", "pid_alive", "proc_stat", "fork_generation", "int_arg",
+           "number_arg"]
 
+MAX_SECONDS = 1e12  # the largest timeout taken (about 31,700 years): larger is a mistake
 PID_MAX_LIMIT = 1 << 22  # Linux's hard ceiling for pid_max (4194304); larger pids cannot exist
 
 _fork_generation = 0
@@ -80,7 +82,7 @@ def number_arg(value: Any, argument: str, *, allow_none: bool) -> float | None:
     """Return a non-negative finite number of seconds (or None where allowed)."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e12:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_SECONDS:
         none = " or None (wait without limit)" if allow_none else ""
         raise InvalidArgument(f"{argument} must be a number of seconds >= 0{none}, got "
                               f"{value!r:.60}", argument, value)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from .._proc import int_arg, pid_alive
+from .._proc import MAX_SECONDS, int_arg, pid_alive
 from ..errors import Closed, CorruptObject, Timeout, WriterGone
 from ..serde._codec import decode
 from ..shm._closeable import CallGuard
@@ -34,6 +35,7 @@ from ._layout import (
     ROW_SLEEPING,
     SLOT_FIELDS,
     SLOT_HEADER,
+    SLOT_NBYTES,
     WRITER_CHECK_S,
     QueueBase,
     bell_name,
@@ -46,6 +48,11 @@ __all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "QUEUE_
            "SLOT_HEADER", "ROW_READ_SEQ", "ROW_SLEEPING", "META_WRITE_SEQ", "remove_semaphores"]
 
 log = logging.getLogger("shmstore")
+
+OVERWRITTEN = ("was overwritten while read (a second process uses this reader index, or the "
+               "segment was damaged)")
+CRC_MISMATCH = "is damaged (CRC mismatch)"
+SLOT_TOO_LARGE = 1  # what the compiled take() says of a size larger than a slot (2: the CRC)
 
 
 class BroadcastQueue:
@@ -104,6 +111,7 @@ class QueueReader(QueueBase):
     generation = 0
     _bell: Doorbell | None = None
     _writer_bell: Doorbell | None = None
+    _slots: Any = None  # the compiled hand-off (queue/_layout.py), or None
 
     def __init__(self, segment: Segment, reader: Any, spin_s: float) -> None:
         super().__init__(segment)
@@ -135,6 +143,13 @@ class QueueReader(QueueBase):
             raise
         self._row = self._table.row(self.reader)
         self._skipped = words.load_acquire(self._row + ROW_SKIPPED)
+        try:
+            self._slots = self.compiled_slots(self._row, (self._writer_bell.name,),
+                                              self._bell.name)
+        except BaseException:
+            self._table.detach(self.reader, self.generation, self)
+            self._close_bells()
+            raise
         self._guard = CallGuard(f"queue {self.name!r} reader {self.reader}", os.getpid())
 
     @property
@@ -156,15 +171,19 @@ class QueueReader(QueueBase):
 
     def get_message(self, timeout: float | None = None) -> tuple[int, Any]:
         """Like get(), but return (tag, message)."""
-        return self.receive(Deadline(timeout))
+        return self.receive(timeout)
 
-    def receive(self, deadline: Deadline) -> tuple[int, Any]:
-        """get_message() with a Deadline shared with other waits of the caller (Channel)."""
+    def receive(self, timeout: Deadline | float | None) -> tuple[int, Any]:
+        """get_message(), where `timeout` may also be a Deadline shared with other waits of the
+        caller (Channel). A Deadline is made only when the call has to wait."""
+        if not (timeout is None or isinstance(timeout, Deadline) or (
+                type(timeout) in (int, float) and 0 <= timeout < MAX_SECONDS)):
+            Deadline(timeout)  # raises InvalidArgument, naming what is wrong with it
         guard = self._guard
         assert guard is not None  # set at the end of __init__
         guard.enter()
         try:
-            return self._receive(deadline, guard)
+            return self._receive(timeout, guard)
         finally:
             guard.leave()
 
@@ -181,62 +200,108 @@ class QueueReader(QueueBase):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _receive(self, deadline: Deadline, guard: CallGuard) -> tuple[int, Any]:
-        words = self._words
+    def _receive(self, timeout: Deadline | float | None, guard: CallGuard) -> tuple[int, Any]:
         seq = self._read_seq + 1
+        slots = self._slots
+        if slots is None:
+            return self._receive_python(seq, timeout, guard)
+        got = slots.take(seq)
+        if got is None:
+            self._await(seq, timeout, guard, lambda seconds: slots.sleep(seq, seconds))
+            got = slots.take(seq)
+        if type(got) is not tuple:
+            self._refuse(seq, self._slot_problem(seq, got))
+        tag, nbytes = got
+        msg, problem = self._decode(seq, nbytes)
+        if not problem:
+            if slots.finish(seq):
+                self._read_seq = seq
+                return tag, msg
+            problem = OVERWRITTEN
+        self._refuse(seq, problem)
+
+    def _receive_python(self, seq: int, timeout: Deadline | float | None,
+                        guard: CallGuard) -> tuple[int, Any]:
+        words = self._words
         slot = self.slot(seq)
         if words.load_acquire(slot) != seq:
-            if not wait_until(self._ready, deadline, check=guard.check, spin_s=self._spin_s,
-                              bell=self._bell, words=words, flag=self._row + ROW_SLEEPING):
-                raise Timeout(f"no message on queue {self.name!r} within {deadline.timeout_s} s "
-                              f"(reader {self.reader}, next message {seq})", deadline.timeout_s)
-            if words.load_acquire(slot) != seq:
-                resume = self._overtaken(seq)
-                if resume:
-                    self._skip(resume - 1, lost=resume - seq)
-                    raise CorruptObject(
-                        f"reader {self.reader} of queue {self.name!r} was overtaken: messages "
-                        f"{seq}..{resume - 1} were overwritten before it read them (its row was "
-                        f"damaged, or its index is used twice); it goes on with {resume}",
-                        self.name)
-                if self._damaged(seq):
-                    self._skip(seq)
-                    raise CorruptObject(f"slot of message {seq} on queue {self.name!r} is "
-                                        "damaged; skipped it", self.name)
-                closed = words.load_acquire(self._meta + META_CLOSED)
-                if closed == CLOSED_UPSTREAM_GONE:
-                    raise WriterGone(
-                        f"queue {self.name!r} was closed by its relay because the writer it "
-                        "forwards for died; no more messages will come", self.name, 0)
-                if closed:
-                    raise Closed(f"queue {self.name!r} was closed by its writer; no more messages")
-                raise WriterGone(
-                    f"the writer of queue {self.name!r} (pid {self._writer_pid}) died; no more "
-                    "messages will come. Attach again once a new writer has created the queue",
-                    self.name, self._writer_pid)
-        buf = self._buf
-        nbytes, tag, crc = SLOT_FIELDS.unpack_from(buf, slot + 8)
-        body = slot + ALIGN_BYTES
+            self._await(seq, timeout, guard, None)
+        nbytes, tag, crc = SLOT_FIELDS.unpack_from(self._buf, slot + SLOT_NBYTES)
         problem = ""
         msg: Any = None
         if nbytes > self.slot_bytes:
             problem = f"claims {nbytes} bytes, more than its {self.slot_bytes}-byte slot"
-        elif message_crc(buf[body:body + nbytes], tag) != crc:
-            problem = "is damaged (CRC mismatch)"
         else:
-            try:
-                msg = decode(buf[body:body + nbytes], copy=True)
-            except CorruptObject as exc:
-                problem = f"does not decode: {exc}"
-            if not problem and words.load_acquire(slot) != seq:
-                problem = ("was overwritten while read (a second process uses this reader "
-                           "index, or the segment was damaged)")
+            body = slot + ALIGN_BYTES
+            if message_crc(self._buf[body:body + nbytes], tag) != crc:
+                problem = CRC_MISMATCH
+            else:
+                msg, problem = self._decode(seq, nbytes)
+                if not problem and words.load_acquire(slot) != seq:
+                    problem = OVERWRITTEN
         if problem:
-            self._skip(seq)
-            raise CorruptObject(f"message {seq} on queue {self.name!r} {problem}; skipped it",
-                                self.name)
+            self._refuse(seq, problem)
         self._consume(seq)
         return tag, msg
+
+    def _decode(self, seq: int, nbytes: int) -> tuple[Any, str]:
+        """(message, "") from the slot of message `seq`, or (None, why it does not decode)."""
+        body = self.slot(seq) + ALIGN_BYTES
+        try:
+            return decode(self._buf[body:body + nbytes], copy=True), ""
+        except CorruptObject as exc:
+            return None, f"does not decode: {exc}"
+
+    def _slot_problem(self, seq: int, got: Any) -> str:
+        """What the compiled take() found wrong with message `seq` (None: it left its slot)."""
+        if got is None:
+            return OVERWRITTEN
+        if got == SLOT_TOO_LARGE:
+            nbytes = SLOT_FIELDS.unpack_from(self._buf, self.slot(seq) + SLOT_NBYTES)[0]
+            return f"claims {nbytes} bytes, more than its {self.slot_bytes}-byte slot"
+        return CRC_MISMATCH
+
+    def _refuse(self, seq: int, problem: str) -> NoReturn:
+        self._skip(seq)
+        raise CorruptObject(f"message {seq} on queue {self.name!r} {problem}; skipped it",
+                            self.name)
+
+    def _await(self, seq: int, timeout: Deadline | float | None, guard: CallGuard,
+               sleep: Callable[[float], bool] | None) -> None:
+        """Return once message `seq` is in its slot; else raise why it will not come."""
+        deadline = timeout if isinstance(timeout, Deadline) else Deadline(timeout)
+        words = self._words
+        slot = self.slot(seq)
+        if not wait_until(self._ready, deadline, check=guard.check, spin_s=self._spin_s,
+                          bell=self._bell, words=words, flag=self._row + ROW_SLEEPING,
+                          sleep=sleep):
+            raise Timeout(f"no message on queue {self.name!r} within {deadline.timeout_s} s "
+                          f"(reader {self.reader}, next message {seq})", deadline.timeout_s)
+        if words.load_acquire(slot) == seq:
+            return
+        resume = self._overtaken(seq)
+        if resume:
+            self._skip(resume - 1, lost=resume - seq)
+            raise CorruptObject(
+                f"reader {self.reader} of queue {self.name!r} was overtaken: messages "
+                f"{seq}..{resume - 1} were overwritten before it read them (its row was "
+                f"damaged, or its index is used twice); it goes on with {resume}",
+                self.name)
+        if self._damaged(seq):
+            self._skip(seq)
+            raise CorruptObject(f"slot of message {seq} on queue {self.name!r} is "
+                                "damaged; skipped it", self.name)
+        closed = words.load_acquire(self._meta + META_CLOSED)
+        if closed == CLOSED_UPSTREAM_GONE:
+            raise WriterGone(
+                f"queue {self.name!r} was closed by its relay because the writer it "
+                "forwards for died; no more messages will come", self.name, 0)
+        if closed:
+            raise Closed(f"queue {self.name!r} was closed by its writer; no more messages")
+        raise WriterGone(
+            f"the writer of queue {self.name!r} (pid {self._writer_pid}) died; no more "
+            "messages will come. Attach again once a new writer has created the queue",
+            self.name, self._writer_pid)
 
     def _ready(self) -> bool:
         """A message is there, or waiting is over (damage, closed, or the writer died)."""
@@ -295,6 +360,8 @@ class QueueReader(QueueBase):
 
     def _release(self) -> None:
         assert self._guard is not None
+        if self._slots is not None:
+            self._slots.release()
         if not self._guard.forked:
             self._table.detach(self.reader, self.generation, self)
         self._close_bells()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._proc import int_arg
+from .._proc import MAX_SECONDS, int_arg
 from ..errors import MessageTooLarge, Timeout
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import CallGuard
@@ -21,6 +21,7 @@ from ._layout import (
     ROW_READ_SEQ,
     ROW_SLEEPING,
     SLOT_FIELDS,
+    SLOT_NBYTES,
     QueueBase,
     bell_name,
     message_crc,
@@ -32,6 +33,8 @@ __all__ = ["QueueWriter"]
 class QueueWriter(QueueBase):
     """The single writer: put (blocks while the slowest attached reader is n_slots behind),
     close. Only the creating process may call it."""
+
+    _slots: Any = None  # the compiled hand-off (queue/_layout.py), or None
 
     def __init__(self, segment: Segment, spin_s: float, mode: int) -> None:
         super().__init__(segment)
@@ -47,6 +50,8 @@ class QueueWriter(QueueBase):
             for r in range(self.n_readers):
                 self._bells.append(Doorbell.create(bell_name(self.name, f"r{r}"), mode))
             self._writer_bell = Doorbell.create(bell_name(self.name, "w"), mode)
+            self._slots = self.compiled_slots(
+                -1, tuple(bell.name for bell in self._bells), None)
         except BaseException:
             self._close_bells()
             raise
@@ -91,15 +96,20 @@ class QueueWriter(QueueBase):
             NotSerializable: `msg` holds something the serializer cannot carry.
             Timeout: a reader stayed n_slots behind for `timeout` seconds (it is named).
         """
-        self.put_encoded(encode(msg, root="msg"), timeout, tag=tag)
+        self.publish(encode(msg, root="msg"), timeout, tag=tag)
 
     def put_encoded(self, enc: Encoded, timeout: float | None = None, *, tag: int = 0) -> None:
         """put() of a value already encoded with serde.encode."""
-        self.publish(enc, Deadline(timeout), tag=tag)
+        self.publish(enc, timeout, tag=tag)
 
-    def publish(self, enc: Encoded, deadline: Deadline, *, tag: int = 0) -> None:
-        """put_encoded() with a Deadline shared with other waits of the caller (Channel)."""
-        tag = int_arg(tag, "tag", 0, MAX_TAG)
+    def publish(self, enc: Encoded, timeout: Deadline | float | None, *, tag: int = 0) -> None:
+        """put_encoded(), where `timeout` may also be a Deadline shared with other waits of the
+        caller (Channel). A Deadline is made only when the put has to wait."""
+        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            tag = int_arg(tag, "tag", 0, MAX_TAG)
+        if not (timeout is None or isinstance(timeout, Deadline) or (
+                type(timeout) in (int, float) and 0 <= timeout < MAX_SECONDS)):
+            Deadline(timeout)  # raises InvalidArgument, naming what is wrong with it
         if enc.nbytes > self.slot_bytes:
             raise MessageTooLarge(
                 f"message is {enc.nbytes} bytes serialized, {enc.nbytes - self.slot_bytes} more "
@@ -110,30 +120,51 @@ class QueueWriter(QueueBase):
         try:
             seq = self._write_seq + 1
             if seq - self.n_slots > self._read_through and self._lagging(seq, force=False):
-                self._wait_for_space(seq, deadline, guard)
-            buf = self._buf
-            slot = self.slot(seq)
-            body = slot + ALIGN_BYTES
-            payload = buf[body:body + enc.nbytes]
-            enc.write_into(payload)
-            SLOT_FIELDS.pack_into(buf, slot + 8, enc.nbytes, tag, message_crc(payload, tag))
-            words = self._words
-            published = False
-            try:
-                words.store_release(slot, seq)  # publish: the payload is complete before this
-                published = True
-                self._write_seq = seq
-                words.exchange(self._meta + META_WRITE_SEQ, seq)  # full barrier before the flags
-            except BaseException:
-                if published:  # readers may take it: it is sent
-                    self._write_seq = seq
-                raise
-            for r in range(self.n_readers):
-                flag = self._table.row(r) + ROW_SLEEPING
-                if words.load_acquire(flag) and words.exchange(flag, 0):
-                    self._bells[r].ring()
+                self._wait_for_space(
+                    seq, timeout if isinstance(timeout, Deadline) else Deadline(timeout), guard)
+            if self._slots is not None:
+                self._publish_compiled(seq, enc, tag)
+            else:
+                self._publish_python(seq, enc, tag)
         finally:
             guard.leave()
+
+    def _publish_compiled(self, seq: int, enc: Encoded, tag: int) -> None:
+        slots = self._slots
+        body = enc.whole()
+        if body is None:  # arrays: written in place, then published with the rest
+            start = self.slot(seq) + ALIGN_BYTES
+            enc.write_into(self._buf[start:start + enc.nbytes])
+        try:
+            slots.publish(seq, tag, enc.nbytes if body is None else body)
+        except BaseException:
+            if self._words.load_acquire(self.slot(seq)) == seq:  # a doorbell failed: it is sent
+                self._write_seq = seq
+            raise
+        self._write_seq = seq
+
+    def _publish_python(self, seq: int, enc: Encoded, tag: int) -> None:
+        buf = self._buf
+        slot = self.slot(seq)
+        body = slot + ALIGN_BYTES
+        payload = buf[body:body + enc.nbytes]
+        enc.write_into(payload)
+        SLOT_FIELDS.pack_into(buf, slot + SLOT_NBYTES, enc.nbytes, tag, message_crc(payload, tag))
+        words = self._words
+        published = False
+        try:
+            words.store_release(slot, seq)  # publish: the payload is complete before this
+            published = True
+            self._write_seq = seq
+            words.exchange(self._meta + META_WRITE_SEQ, seq)  # full barrier before the flags
+        except BaseException:
+            if published:  # readers may take it: it is sent
+                self._write_seq = seq
+            raise
+        for r in range(self.n_readers):
+            flag = self._table.row(r) + ROW_SLEEPING
+            if words.load_acquire(flag) and words.exchange(flag, 0):
+                self._bells[r].ring()
 
     def close(self, *, upstream_gone: bool = False) -> None:
         """Mark the queue closed, wake every reader (they get Closed once they have every
@@ -167,6 +198,8 @@ class QueueWriter(QueueBase):
         return guard
 
     def _release(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
         self._close_bells()
         if self._seg is not None:
             self._seg.close()

@@ -73,6 +73,11 @@ __all__ = ["Blank", "Encoded", "Verbatim", "encode", "decode", "dumps", "loads",
            "EXT_TENSOR", "EXT_TUPLE", "EXT_SCALAR", "EXT_HANDLE"]
 
 _TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
+# One packer for every encode: msgpack.packb makes a packer, and so allocates and frees its
+# buffer, per call (a mapping of its own: tens of microseconds on a CPU that was idle). Each
+# pack() is one call into msgpack's C code with no Python callback (no `default`), so under
+# the GIL no two packs interleave; on an error it resets its buffer itself.
+_PACK = msgpack.Packer().pack
 _INT_MIN = -(1 << 63)
 _INT_LIMIT = 1 << 64
 _DTYPE_NAMES = {dtype: name for name, dtype in NUMPY_DTYPES.items()}  # dtype -> its .str
@@ -203,7 +208,7 @@ class _Encoder:
         if isinstance(obj, np.generic):
             if obj.dtype.kind not in NUMERIC_KINDS:
                 raise self.fail(path, obj, f"numpy scalars of dtype {obj.dtype} are not supported")
-            return msgpack.ExtType(EXT_SCALAR, msgpack.packb([obj.dtype.str, obj.tobytes()]))
+            return msgpack.ExtType(EXT_SCALAR, _PACK([obj.dtype.str, obj.tobytes()]))
         # Subclasses of the plain types travel as their base type (masked arrays would lose data).
         if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray):
             return self.array(np.asarray(obj), path)
@@ -219,9 +224,9 @@ class _Encoder:
                             "put() and send() need the data itself")
         index = self.add(blank, blank.nbytes, path)
         if blank.torch:
-            return msgpack.ExtType(EXT_TENSOR, msgpack.packb([blank.dtype, list(blank.shape),
+            return msgpack.ExtType(EXT_TENSOR, _PACK([blank.dtype, list(blank.shape),
                                                               index]))
-        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([blank.dtype.str, list(blank.shape),
+        return msgpack.ExtType(EXT_NDARRAY, _PACK([blank.dtype.str, list(blank.shape),
                                                            index]))
 
     def add(self, source: Any, nbytes: int, path: tuple[Any, ...]) -> int:
@@ -236,7 +241,7 @@ class _Encoder:
             raise self.fail(path, arr, f"arrays of dtype {arr.dtype} are not supported (only bool "
                             "and numeric dtypes)")
         index = self.add(arr, arr.nbytes, path)
-        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([name, list(arr.shape), index]))
+        return msgpack.ExtType(EXT_NDARRAY, _PACK([name, list(arr.shape), index]))
 
     def tensor(self, t: Any, path: tuple[Any, ...]) -> msgpack.ExtType:
         name = str(t.dtype).removeprefix("torch.")
@@ -249,7 +254,7 @@ class _Encoder:
             raise self.fail(path, t, f"tensors of dtype {t.dtype} are not supported")
         t = t.detach().resolve_conj().resolve_neg()
         index = self.add(t, t.numel() * t.element_size(), path)
-        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, list(t.shape), index]))
+        return msgpack.ExtType(EXT_TENSOR, _PACK([name, list(t.shape), index]))
 
 
 class Encoded:
@@ -292,6 +297,10 @@ class Encoded:
                     blank.shape), offset=offset).reshape(blank.shape)))
         return views
 
+    def whole(self) -> bytes | memoryview | None:
+        """The whole body as one buffer where it is one already (no arrays), else None."""
+        return self._prefix if not self._buffers and len(self._prefix) == self.nbytes else None
+
     def write_into(self, dst: memoryview) -> None:
         """Write the body into `dst` (at least `nbytes`; 64-byte aligned for aligned arrays).
         The bytes of Blanks are left as they are (their owner fills them)."""
@@ -330,6 +339,9 @@ class Verbatim(Encoded):
         super().__init__(bytes(body[:struct_end]), [], len(body))
         self._body = body
 
+    def whole(self) -> memoryview:
+        return self._body
+
     def write_into(self, dst: memoryview) -> None:
         if len(dst) < self.nbytes:
             raise ValueError(f"destination holds {len(dst)} bytes, the object needs {self.nbytes}")
@@ -347,7 +359,7 @@ def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:
     enc = _Encoder(root, blanks)
     tree = enc.walk(obj, (), 0)
     try:
-        structure = msgpack.packb(tree)
+        structure = _PACK(tree)
     except UnicodeEncodeError:
         where = _format_path(root, _leaf_path(obj, (), _not_utf8) or ())
         raise NotSerializable(f"cannot serialize the str at {where}: it is not valid Unicode (a "

@@ -19,7 +19,8 @@ through libatomic's `__atomic_store_8` / `__atomic_load_8` with `__ATOMIC_RELEAS
 a message saying to install it (it ships with gcc, package libatomic1 on Debian/Ubuntu).
 
 Where the optional compiled module shm/_atomic.c was built at install (a C compiler was there),
-every word goes through it instead (the default): the same orders from GCC's `__atomic`
+every word goes through it instead (the default), and the broadcast queue hands messages off
+through its Slots (COMPILED_SLOTS; queue/_layout.py): the same orders from GCC's `__atomic`
 builtins, one C call each, with every offset bounds-checked. A ctypes call costs about 1 us warm
 and tens of microseconds right after an idle period, when every page it touches misses the
 caches; the compiled call is several times cheaper in both cases (docs/performance.md).
@@ -44,7 +45,7 @@ import os
 import platform
 from typing import Any, Protocol
 
-__all__ = ["Words", "OrderedWords", "ordered_words", "ORDERING", "FULL_FENCE"]
+__all__ = ["Words", "OrderedWords", "ordered_words", "ORDERING", "FULL_FENCE", "COMPILED_SLOTS"]
 
 _ATOMIC_ACQUIRE = 2  # __ATOMIC_ACQUIRE
 _ATOMIC_RELEASE = 3  # __ATOMIC_RELEASE
@@ -100,6 +101,8 @@ if ORDERING == "libatomic":
     _atomic_store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     _atomic_store.restype = None
 FULL_FENCE = ORDERING == "compiled" or _atomic_exchange is not None
+# The compiled queue hand-off (shm/_atomic.c Slots; queue/_layout.py), on the compiled words only.
+COMPILED_SLOTS: Any = _compiled.Slots if ORDERING == "compiled" else None
 
 
 class Words(Protocol):

@@ -159,11 +159,14 @@ def wait_until(
     bell: Doorbell | None = None,
     words: Words | None = None,
     flag: int = 0,
+    sleep: Callable[[float], bool] | None = None,
 ) -> bool:
     """Wait until `ready()`; return False if the deadline passed first.
 
     `check()` runs before every sleep and may raise (closed). With a `bell`, `words`/`flag` name
     the sleeper's flag word for the doorbell handshake described in the module docstring.
+    `sleep(seconds)` instead makes the whole handshake in one call and says whether what is
+    awaited arrived (the compiled queue hand-off, queue/_layout.py).
     """
     if ready():
         return True
@@ -182,7 +185,10 @@ def wait_until(
         if remaining is not None and remaining <= 0:
             return ready()
         slice_s = SLICE_S if remaining is None else min(SLICE_S, remaining)
-        if bell is None or words is None:
+        if sleep is not None:
+            if sleep(slice_s):
+                return True
+        elif bell is None or words is None:
             time.sleep(min(pause, slice_s))
             pause = min(pause * 2, _BACKOFF_S[1])
         else:
