@@ -74,3 +74,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 pass
         print(f"\nFAILED: the test session left shared-memory segments behind: {left}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+HANDOFFS = ["compiled", "python"]
+
+
+@pytest.fixture(params=HANDOFFS)
+def handoff(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Queues made in this test take the compiled hand-off or the Python path (queue/_layout.py);
+    "compiled" is skipped where shm/_atomic.c was not built (or SHMSTORE_ORDERING opts out)."""
+    from shmstore.queue import _layout
+
+    if request.param == "compiled" and _layout.COMPILED_SLOTS is None:
+        pytest.skip("the compiled hand-off is not built here")
+    monkeypatch.setattr(_layout, "SLOTS", _layout.COMPILED_SLOTS if request.param == "compiled"
+                        else None)
+    return str(request.param)

@@ -474,7 +474,7 @@ def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(
 # -- 10: signal handlers that return ---------------------------------------------------------------
 
 @pytest.mark.slow
-def test_10_returning_signal_handlers_do_not_abort_blocked_calls(name: str) -> None:
+def test_10_returning_signal_handlers_do_not_abort_blocked_calls(name: str, handoff: str) -> None:
     caught = [0]
     previous = signal.signal(signal.SIGALRM, lambda *_: caught.__setitem__(0, caught[0] + 1))
     signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
@@ -541,7 +541,7 @@ def test_11_a_damaged_object_is_given_up_by_readers_and_dropped_by_the_writer(na
         r.close()
 
 
-def test_12_damaged_queue_slots_are_skipped_once_and_never_wedge(name: str) -> None:
+def test_12_damaged_queue_slots_are_skipped_once_and_never_wedge(name: str, handoff: str) -> None:
     with BroadcastQueue.create(name, n_readers=1, slot_bytes=64, n_slots=4) as q:
         r = BroadcastQueue.attach(name, 0)
         for i in range(3):

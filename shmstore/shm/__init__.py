@@ -6,7 +6,8 @@
     _readers.py    the reader table the store and the queue both use: attach, liveness
     _wait.py       deadlines (one meaning of None), spin then sleep on a doorbell, EINTR
     _ordering.py   the memory fences readers and the writer rely on
-    _atomic.c      the ordered words compiled (optional; _ordering.py falls back to Python)
+    _atomic.c      the ordered words and the queue's hand-off compiled (optional; Python
+                   paths stand in where it is not built)
     _closeable.py  close() that waits for calls in flight, and the fork check
     _exit.py       names this process created, unlinked at its exit if it did not
 

@@ -15,8 +15,11 @@ posts only if it was 1. One of the two always sees the other. A post can still a
 twice; both only cost a spurious wake-up, and every slice ends at `slice_s` anyway.
 
 Signals: a semaphore wait interrupted by a signal whose handler returns (EINTR,
-posix_ipc.SignalError) simply continues with the same deadline; a handler that raises ends the
-wait with its exception, and the flag is reset on the way out.
+posix_ipc.SignalError) simply continues with the same deadline. A handler that raises ends the
+wait with its exception, and the flag is reset on the way out, where the wait is a `sleep` (the
+compiled queue hand-off) or a plain sleep. During a Doorbell's own wait posix_ipc runs the
+handler and then replaces its exception with SignalError, so there the exception is lost and
+the wait goes on to its deadline (tests/queue/test_handoff.py pins both).
 """
 
 from __future__ import annotations

@@ -8,15 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from shmstore.queue._broadcast import (
     QUEUE_META,
     QUEUE_ROW,
-    ROW_READ_SEQ,
-    ROW_SLEEPING,
     SLOT_HEADER,
 )
 from tests._names import (
@@ -29,10 +24,10 @@ from tests._names import (
     Timeout,
     WrongSegmentKind,
 )
-from tests.conftest import new_name
 from tests.workers import queue_reader_main
 
 CTX = mp.get_context("spawn")
+pytestmark = pytest.mark.usefixtures("handoff")  # every test on both hand-off paths
 
 
 def test_layout_offsets() -> None:
@@ -215,60 +210,6 @@ def test_attach_to_a_store_name_is_refused(name: str) -> None:
 def test_bad_create_arguments(name: str, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BroadcastQueue.create(name, **kwargs)
-
-
-class QueueModel(RuleBasedStateMachine):
-    """Random puts and gets by two readers against a model of who has read what."""
-
-    N_SLOTS = 3
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = new_name("qsm")
-        self.writer = BroadcastQueue.create(self.name, n_readers=2, slot_bytes=128,
-                                            n_slots=self.N_SLOTS, spin_s=0)
-        self.readers = [BroadcastQueue.attach(self.name, reader=i, spin_s=0) for i in range(2)]
-        self.sent: list[int] = []
-        self.next_index = [0, 0]
-
-    def teardown(self) -> None:
-        for r in self.readers:
-            r.close()
-        self.writer.close()
-
-    @rule(value=st.integers(0, 10**6))
-    def put(self, value: int) -> None:
-        full = len(self.sent) - min(self.next_index) >= self.N_SLOTS
-        if full:
-            with pytest.raises(Timeout):
-                self.writer.put(value, timeout=0)
-        else:
-            self.writer.put(value, timeout=0)
-            self.sent.append(value)
-
-    @rule(reader=st.integers(0, 1))
-    def get(self, reader: int) -> None:
-        i = self.next_index[reader]
-        if i == len(self.sent):
-            with pytest.raises(Timeout):
-                self.readers[reader].get(timeout=0)
-        else:
-            assert self.readers[reader].get(timeout=0) == self.sent[i]
-            self.next_index[reader] += 1
-
-    @precondition(lambda self: True)
-    @rule()
-    def slots_flags_agree(self) -> None:
-        words = self.writer._words
-        for r in range(2):
-            read_seq = words.load_acquire(self.writer._table.row(r) + ROW_READ_SEQ)
-            assert read_seq == self.next_index[r]
-            assert words.load_acquire(self.writer._table.row(r) + ROW_SLEEPING) == 0  # nobody asleep
-
-
-QueueModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-test_queue_state_machine = QueueModel.TestCase
-test_queue_state_machine.pytestmark = [pytest.mark.slow]
 
 
 def test_idle_reader_sleeps(queue) -> None:

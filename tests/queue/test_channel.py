@@ -13,6 +13,7 @@ from tests._names import Channel, Closed, CorruptObject, StoreFull, Timeout
 from tests.workers import channel_reader_main
 
 CTX = mp.get_context("spawn")
+pytestmark = pytest.mark.usefixtures("handoff")  # every test on both hand-off paths
 
 
 def value(i: int, nbytes: int) -> dict:
