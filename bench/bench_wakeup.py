@@ -4,9 +4,12 @@
 
 1. The cost of one `put` (no reader attached) right after the writer was idle for 0, 1 and
    20 ms: the same Python code on a CPU that went idle.
-2. One message every G ms (readers fall asleep between them): latency from just before `put`
+2. One message every G ms (readers fall asleep between them), on the compiled hand-off and on
+   the Python path (queue/_layout.py): latency from just before `put`
    to the reader's `get` returning, and the part of it until the reader's semaphore wait
    returned (the rest is the reader's own code after waking).
+2b. Flooded: messages per second to one reader, and the CPU a reader blocked in get takes,
+   on the compiled hand-off and on the Python path, three rounds in turn.
 3. The floor: a bare POSIX semaphore posted by one Python process and waited on by another,
    same pacing.
 3b. What a compiled hand-off would buy, bounded from above: the hand-off made of C calls only,
@@ -168,6 +171,49 @@ def queue_handoff(n: int, gap: float, warm: float, ctx: Any,
         q.close()
     total = [done - sent for sent, _, done in rows]
     return total, [woke - sent for sent, woke, _ in rows if woke > sent]
+
+
+def flood_reader(name: str, n: int, compiled: bool, out: Any) -> None:
+    use_handoff(compiled)
+    q = BroadcastQueue.attach(name, 0)
+    try:
+        cpu = time.process_time()
+        with contextlib.suppress(Exception):
+            q.get(timeout=IDLE_S)  # nothing comes: how much CPU a blocked get takes
+        idle = (time.process_time() - cpu) / IDLE_S
+        out.put("idle measured")
+        for _ in range(n):
+            q.get()
+        out.put((idle, time.perf_counter()))
+    finally:
+        q.close()
+
+
+IDLE_S = 1.0
+
+
+def flood(n: int, ctx: Any, compiled: bool) -> tuple[float, float]:
+    """(messages per second, a blocked reader's share of a core) on the compiled hand-off or
+    the Python path: one reader, n small messages sent as fast as the slots allow."""
+    before = use_handoff(compiled)
+    try:
+        q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
+    finally:
+        use_handoff(before is not None)
+    out = ctx.Queue()
+    p = ctx.Process(target=flood_reader, args=(q.name, n, compiled, out))
+    p.start()
+    try:
+        q.wait_for_readers(60)
+        out.get(timeout=60)
+        started = time.perf_counter()
+        for i in range(n):
+            q.put(float(i), timeout=60)
+        idle, done = out.get(timeout=120)
+    finally:
+        p.join(60)
+        q.close()
+    return n / (done - started), idle
 
 
 def semaphore_reader(name: str, n: int, out: Any) -> None:
@@ -344,6 +390,20 @@ def main() -> None:
               f"{pct(total, 0.5):.0f} us, p99 {pct(total, 0.99):.0f} us; "
               f"/ Python hand-off: p50 {pct(total, 0.5) / pct(python_total, 0.5):.2f}x, "
               f"p99 {pct(total, 0.99) / pct(python_total, 0.99):.2f}x")
+    if COMPILED_SLOTS is not None:
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        idles: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(3):  # the two paths in turn, three rounds each
+            for compiled in (True, False):
+                rate, idle = flood(20_000, ctx, compiled)
+                rates[compiled].append(rate)
+                idles[compiled].append(idle)
+        print("flood, one reader, 20,000 messages, three rounds in turn: compiled "
+              + ", ".join(f"{r:,.0f}" for r in rates[True]) + " msgs/s; Python "
+              + ", ".join(f"{r:,.0f}" for r in rates[False]) + " msgs/s; median ratio "
+              f"{statistics.median(rates[True]) / statistics.median(rates[False]):.2f}x. A get "
+              f"blocked {IDLE_S:g} s: compiled {statistics.median(idles[True]) * 100:.2f}%, Python "
+              f"{statistics.median(idles[False]) * 100:.2f}% of a core")
     out = ctx.Queue()
 
     import posix_ipc
