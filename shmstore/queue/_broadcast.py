@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .._proc import MAX_SECONDS, int_arg, pid_alive
+from .._proc import int_arg, pid_alive
 from ..errors import Closed, CorruptObject, Timeout, WriterGone
 from ..serde._codec import decode
 from ..shm._closeable import CallGuard
 from ..shm._readers import MAX_READERS, check_reader_index
 from ..shm._segment import ALIGN_BYTES, KIND_QUEUE, SEGMENT_HEADER, Segment, align_up, peek_header
-from ..shm._wait import Deadline, Doorbell, wait_until
+from ..shm._wait import Deadline, Doorbell, checked_wait, deadline_of, wait_until
 from ._layout import (
     CLOSED_UPSTREAM_GONE,
     DEFAULT_SPIN_S,
@@ -176,9 +176,7 @@ class QueueReader(QueueBase):
     def receive(self, timeout: Deadline | float | None) -> tuple[int, Any]:
         """get_message(), where `timeout` may also be a Deadline shared with other waits of the
         caller (Channel). A Deadline is made only when the call has to wait."""
-        if not (timeout is None or isinstance(timeout, Deadline) or (
-                type(timeout) in (int, float) and 0 <= timeout < MAX_SECONDS)):
-            Deadline(timeout)  # raises InvalidArgument, naming what is wrong with it
+        timeout = checked_wait(timeout)
         guard = self._guard
         assert guard is not None  # set at the end of __init__
         guard.enter()
@@ -269,7 +267,7 @@ class QueueReader(QueueBase):
     def _await(self, seq: int, timeout: Deadline | float | None, guard: CallGuard,
                sleep: Callable[[float], bool] | None) -> None:
         """Return once message `seq` is in its slot; else raise why it will not come."""
-        deadline = timeout if isinstance(timeout, Deadline) else Deadline(timeout)
+        deadline = deadline_of(timeout)
         words = self._words
         slot = self.slot(seq)
         if not wait_until(self._ready, deadline, check=guard.check, spin_s=self._spin_s,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._proc import MAX_SECONDS, int_arg
+from .._proc import int_arg
 from ..errors import MessageTooLarge, Timeout
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import CallGuard
 from ..shm._readers import ATTACHED, Liveness
 from ..shm._segment import ALIGN_BYTES, Segment
-from ..shm._wait import Deadline, Doorbell, wait_until
+from ..shm._wait import Deadline, Doorbell, checked_wait, deadline_of, wait_until
 from ._layout import (
     CLOSED_UPSTREAM_GONE,
     MAX_TAG,
@@ -107,9 +107,7 @@ class QueueWriter(QueueBase):
         caller (Channel). A Deadline is made only when the put has to wait."""
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
             tag = int_arg(tag, "tag", 0, MAX_TAG)
-        if not (timeout is None or isinstance(timeout, Deadline) or (
-                type(timeout) in (int, float) and 0 <= timeout < MAX_SECONDS)):
-            Deadline(timeout)  # raises InvalidArgument, naming what is wrong with it
+        timeout = checked_wait(timeout)
         if enc.nbytes > self.slot_bytes:
             raise MessageTooLarge(
                 f"message is {enc.nbytes} bytes serialized, {enc.nbytes - self.slot_bytes} more "
@@ -120,8 +118,7 @@ class QueueWriter(QueueBase):
         try:
             seq = self._write_seq + 1
             if seq - self.n_slots > self._read_through and self._lagging(seq, force=False):
-                self._wait_for_space(
-                    seq, timeout if isinstance(timeout, Deadline) else Deadline(timeout), guard)
+                self._wait_for_space(seq, deadline_of(timeout), guard)
             if self._slots is not None:
                 self._publish_compiled(seq, enc, tag)
             else:

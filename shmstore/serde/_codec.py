@@ -311,6 +311,14 @@ class Encoded:
             if type(src) is Blank:
                 continue
             if isinstance(src, np.ndarray):
+                if src.flags.c_contiguous:  # one memcpy, without numpy's copy machinery
+                    try:
+                        raw = src.data.cast("B")
+                    except ValueError:  # a dtype the buffer interface cannot show (non-native
+                        pass            # long double, say): numpy copies it below
+                    else:
+                        dst[offset:offset + src.nbytes] = raw
+                        continue
                 view = np.frombuffer(dst, dtype=src.dtype, count=src.size, offset=offset)
                 np.copyto(view.reshape(src.shape), src, casting="no")
             else:  # a torch tensor: copy_ takes any strides, so non-contiguous input is copied once

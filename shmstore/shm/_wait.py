@@ -34,12 +34,13 @@ from typing import Any
 
 import posix_ipc
 
-from .._proc import number_arg
+from .._proc import MAX_SECONDS, number_arg
 from ..errors import SegmentNotFound, SegmentPermissionError, ShmSpaceError
 from . import _exit
 from ._ordering import FULL_FENCE, Words
 
-__all__ = ["Deadline", "Doorbell", "wait_until", "SLICE_S", "SHM_DIR"]
+__all__ = ["Deadline", "Doorbell", "wait_until", "checked_wait", "deadline_of", "SLICE_S",
+           "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX semaphores (as sem.NAME)
 SLICE_S = 0.05 if FULL_FENCE else 0.005  # longest single sleep: bounds a missed wake-up
@@ -63,6 +64,21 @@ class Deadline:
 
     def expired(self) -> bool:
         return self._end is not None and time.monotonic() >= self._end
+
+
+def checked_wait(timeout: Any) -> Deadline | float | None:
+    """`timeout` unchanged once it is a valid timeout or a Deadline (InvalidArgument otherwise,
+    as Deadline raises it). Calls that rarely wait check their timeout with this and make the
+    Deadline only when they wait (`deadline_of`): its clock read is saved on every other call."""
+    if timeout is None or isinstance(timeout, Deadline) or (
+            type(timeout) in (int, float) and 0 <= timeout < MAX_SECONDS):
+        return timeout  # type: ignore[no-any-return]
+    return Deadline(timeout)  # raises, naming what is wrong with it
+
+
+def deadline_of(wait: Deadline | float | None) -> Deadline:
+    """The Deadline of a checked timeout (checked_wait), made now if it is not one yet."""
+    return wait if isinstance(wait, Deadline) else Deadline(wait)
 
 
 class Doorbell:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ..errors import StoreFull
 from ..handle import Handle
 from ..shm._ring import Chunk, RingWriter
-from ..shm._wait import Deadline, wait_until
+from ..shm._wait import Deadline, deadline_of, wait_until
 from ._index import Entry, Index
 from ._layout import OBJECT_HEADER
 from ._ledger import ReaderLedger
@@ -114,7 +114,8 @@ class Space:
         self.withdrawn += 1
         self.evict(entry)
 
-    def make_room(self, payload_bytes: int, deadline: Deadline) -> Chunk:
+    def make_room(self, payload_bytes: int, wait: Deadline | float | None) -> Chunk:
+        """A chunk for `payload_bytes`, waiting up to `wait` (checked_wait) for readers."""
         ring = self.ring
         self.budget = self.policy.copy_budget(ring.chunk_bytes_for(payload_bytes))
         self.wanted = payload_bytes
@@ -137,6 +138,7 @@ class Space:
             if not counted:
                 self.full_events += 1
                 counted = True
+            deadline = wait = deadline_of(wait)  # made once, when it first has to wait
             if deadline.expired() or not wait_until(self.oldest_free, deadline,
                                                     check=self._check):
                 raise self._full_error(payload_bytes, deadline, blockers)

@@ -47,7 +47,7 @@ from ..shm._closeable import CallGuard
 from ..shm._readers import Liveness
 from ..shm._ring import RingWriter
 from ..shm._segment import ALIGN_BYTES
-from ..shm._wait import Deadline, wait_until
+from ..shm._wait import Deadline, checked_wait, wait_until
 from ._base import StoreBase, StoreStats
 from ._handouts import HandOuts
 from ._index import Entry, Index
@@ -109,6 +109,7 @@ class StoreWriter(StoreBase):
         super().__init__(ring)
         self._writer_ring = ring
         self._policy = policy
+        self._header_pad = bytes(self._header_bytes - OBJECT_HEADER.size)  # the read counts' room
         policy.start(ring.capacity_bytes)
         self._guard = CallGuard(f"store {self.name!r} (writer)", os.getpid())
         self._liveness = Liveness(self._table)
@@ -196,7 +197,7 @@ class StoreWriter(StoreBase):
         try:
             self._guard_enter()
             try:
-                return self._put(key, enc, Deadline(timeout), done)
+                return self._put(key, enc, checked_wait(timeout), done)
             finally:
                 self._guard_leave()
         except BaseException:
@@ -228,7 +229,7 @@ class StoreWriter(StoreBase):
         try:
             self._guard_enter()
             try:
-                entry = self._begin(key, enc, Deadline(timeout))
+                entry = self._begin(key, enc, checked_wait(timeout))
                 entry.reserved = True  # from here the user writes into it: not reclaimable
                 payload = self._writer_ring.payload(entry.chunk)[self._header_bytes:]
                 enc.write_into(payload)
@@ -557,13 +558,14 @@ class StoreWriter(StoreBase):
 
     # -- put and hand-outs -------------------------------------------------------------------
 
-    def _put(self, key: str | bytes, enc: Encoded, deadline: Deadline,
+    def _put(self, key: str | bytes, enc: Encoded, wait: Deadline | float | None,
              done: list[tuple[Entry, int]]) -> Handle:
-        entry = self._begin(key, enc, deadline)
+        entry = self._begin(key, enc, wait)
         enc.write_into(self._writer_ring.payload(entry.chunk)[self._header_bytes:])
         return self._commit(entry, done)
 
-    def _begin(self, key: str | bytes, enc: Encoded | _Sized, deadline: Deadline) -> Entry:
+    def _begin(self, key: str | bytes, enc: Encoded | _Sized,
+               wait: Deadline | float | None) -> Entry:
         """Room for `enc` and its header written; the entry is not live yet."""
         digest = key_digest(key)
         if self._index.lookup(key) is not None:
@@ -575,12 +577,12 @@ class StoreWriter(StoreBase):
                 f"{enc.nbytes - self.max_object_bytes} bytes above the max_object_bytes of store "
                 f"{self.name!r} ({self.max_object_bytes}): send it another way or create the "
                 "store with a larger max_object_bytes", enc.nbytes, self.max_object_bytes)
-        chunk = self._space.make_room(self._header_bytes + enc.nbytes, deadline)
+        chunk = self._space.make_room(self._header_bytes + enc.nbytes, wait)
         # From here until chunk.owner is set the chunk is an orphan: if we stop, it is freed.
         payload = self._writer_ring.payload(chunk)
         crc = zlib.crc32(U64.pack(enc.nbytes), enc.structure_crc)
         OBJECT_HEADER.pack_into(payload, 0, digest, enc.nbytes, crc, chunk.seq)
-        payload[OBJECT_HEADER.size:self._header_bytes] = bytes(self._header_bytes - OBJECT_HEADER.size)
+        payload[OBJECT_HEADER.size:self._header_bytes] = self._header_pad
         entry = Entry(key, Handle(chunk.address, chunk.seq, digest, self.epoch), chunk,
                        enc.nbytes, crc, live=False, origin=chunk.seq)
         chunk.owner = entry  # not live: if we stop before _commit, the chunk is an orphan
@@ -629,7 +631,7 @@ class Lender:
         w = self._writer
         check_key(key)
         with w._call():
-            entry = w._begin(key, _Sized(nbytes, structure_crc), Deadline(0))
+            entry = w._begin(key, _Sized(nbytes, structure_crc), 0)
             self._loans[entry.chunk.seq] = entry  # first: close() finds whatever is reserved
             entry.reserved = True  # another process writes into it: not reclaimable
         return entry.chunk.seq, entry.chunk.address + ALIGN_BYTES + w._header_bytes
