@@ -167,7 +167,7 @@ class QueueReader(QueueBase):
             CorruptObject: the next message was damaged; it is skipped, the next get() goes on.
             SegmentClosed: this reader was closed (before or during the call).
         """
-        return self.get_message(timeout)[1]
+        return self.receive(timeout)[1]
 
     def get_message(self, timeout: float | None = None) -> tuple[int, Any]:
         """Like get(), but return (tag, message)."""

@@ -364,8 +364,12 @@ def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:
             MAX_DEPTH or a str that is not valid Unicode, with its path (obj['pixel_values'][2]);
             a Blank unless `blanks` (StoreWriter.reserve).
     """
-    enc = _Encoder(root, blanks)
-    tree = enc.walk(obj, (), 0)
+    enc: _Encoder | None = None
+    if type(obj) in _LEAVES:  # a bare scalar, str or bytes: nothing to walk
+        tree = obj
+    else:
+        enc = _Encoder(root, blanks)
+        tree = enc.walk(obj, (), 0)
     try:
         structure = _PACK(tree)
     except UnicodeEncodeError:
@@ -377,10 +381,10 @@ def encode(obj: Any, *, root: str = "obj", blanks: bool = False) -> Encoded:
         where = _format_path(root, _leaf_path(obj, (), _wider_than_64_bits) or ())
         raise NotSerializable(f"cannot serialize the int at {where}: it does not fit in 64 bits; "
                               "send it as a str or a numpy array", where) from None
-    n_buffers = len(enc.sources)
-    if not n_buffers:  # no arrays (queue messages): header and structure only
+    if enc is None or not enc.sources:  # no arrays (queue messages): header and structure only
         return Encoded(BODY_HEADER.pack(BODY_MAGIC, 0, len(structure)) + structure, [],
                        BODY_HEADER.size + len(structure))
+    n_buffers = len(enc.sources)
     table_end = BODY_HEADER.size + BUFFER_ENTRY.size * n_buffers
     nbytes = table_end + len(structure)
     prefix = bytearray(table_end)

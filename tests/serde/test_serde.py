@@ -167,6 +167,14 @@ def test_int_out_of_range_and_too_deep() -> None:
         encode({"a": [1, (Wide(2**70),)], "b": 2})
     with pytest.raises(NotSerializable, match=r"int at obj\['k'\]: .* 64 bits"):
         encode({"k": {2**64: "key"}})
+    # a bare value takes encode's short path (no walk): the same errors, at the root
+    with pytest.raises(NotSerializable, match=r"int at msg: .* 64 bits") as info:
+        encode(2**64, root="msg")
+    assert info.value.path == "msg"
+    with pytest.raises(NotSerializable, match=r"str at obj: it is not valid Unicode"):
+        encode("\udc80")
+    for value in (None, False, -(2**63), 2**64 - 1, -0.0, "", b"\x00"):
+        assert loads(dumps(value)) == value and type(loads(dumps(value))) is type(value)
     deep: list[object] = []
     node = deep
     for _ in range(200):
