@@ -290,16 +290,25 @@ class RingWriter(ShmRingBuffer):
         Raises:
             StoreFull: no contiguous space is left (free old chunks first).
         """
-        nbytes = int_arg(nbytes, "nbytes", 0, self._data_end - self._data_start)
-        chunk_bytes = self.chunk_bytes_for(nbytes)
-        address = self._place(chunk_bytes)
-        if address is None:
+        chunk = self.allocate_if_free(nbytes)
+        if chunk is None:
+            chunk_bytes = self.chunk_bytes_for(nbytes)
             raise StoreFull(
                 f"ring {self.name!r} has no contiguous {chunk_bytes} bytes free "
                 f"({self.used_bytes} of {self.capacity_bytes} bytes in use by "
                 f"{len(self._chunks)} chunks): free old chunks, or create a larger ring",
                 chunk_bytes, self.capacity_bytes,
             )
+        return chunk
+
+    def allocate_if_free(self, nbytes: int) -> Chunk | None:
+        """allocate(), or None where no contiguous space is left (fits() and allocate() in one
+        placement: the store's put asks this once per object)."""
+        nbytes = int_arg(nbytes, "nbytes", 0, self._data_end - self._data_start)
+        chunk_bytes = self.chunk_bytes_for(nbytes)
+        address = self._place(chunk_bytes)
+        if address is None:
+            return None
         seq = self._next_seq
         CHUNK_HEADER.pack_into(
             self.segment.buf, address, seq, chunk_bytes, nbytes,

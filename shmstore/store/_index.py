@@ -62,9 +62,11 @@ class Index:
             with self.lock:
                 self.unread.pop(seq, None)
 
-    def lookup(self, key: str | bytes) -> Entry | None:
-        """The live entry of `key` (InvalidKey for a key that is not one), None if none."""
-        check_key(key)
+    def lookup(self, key: str | bytes, *, checked: bool = False) -> Entry | None:
+        """The live entry of `key` (InvalidKey for a key that is not one, unless the caller
+        `checked` it already), None if none."""
+        if not checked:
+            check_key(key)
         entry = self.by_key.get(key)
         if entry is not None and not entry.live:
             del self.by_key[key]  # left by a drop an exception cut short

@@ -122,7 +122,7 @@ class Space:
         counted = force = False
         while True:
             blockers: tuple[int, ...] = ()
-            while not ring.fits(payload_bytes):
+            while (chunk := ring.allocate_if_free(payload_bytes)) is None:
                 if ring.oldest() is None:
                     raise StoreFull(f"store {self.name!r} cannot hold {payload_bytes} bytes even "
                                     f"when empty (capacity {self.ring.capacity_bytes} bytes); create "
@@ -131,7 +131,7 @@ class Space:
                 if blockers:
                     break
             else:
-                return ring.allocate(payload_bytes)
+                return chunk
             if not force:  # blocked: are the readers we wait for alive, is the object intact?
                 force = True
                 continue

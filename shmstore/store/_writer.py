@@ -567,8 +567,8 @@ class StoreWriter(StoreBase):
     def _begin(self, key: str | bytes, enc: Encoded | _Sized,
                wait: Deadline | float | None) -> Entry:
         """Room for `enc` and its header written; the entry is not live yet."""
-        digest = key_digest(key)
-        if self._index.lookup(key) is not None:
+        digest = key_digest(key)  # checks the key
+        if self._index.lookup(key, checked=True) is not None:
             raise KeyExists(f"key {key!r} is already in store {self.name!r}: hand it out again "
                             "with get_cached(key), or check is_cached(key) first", key)
         if enc.nbytes > self.max_object_bytes:
@@ -590,7 +590,7 @@ class StoreWriter(StoreBase):
 
     def _commit(self, entry: Entry, done: list[tuple[Entry, int]]) -> Handle:
         """Publish a reserved entry: index it and hand it out once."""
-        if self._index.lookup(entry.key) is not None:  # put meanwhile (inside a reserve block)
+        if self._index.lookup(entry.key, checked=True) is not None:  # put inside a reserve block
             raise KeyExists(f"key {entry.key!r} was put into store {self.name!r} while it was "
                             "reserved; the reservation is dropped", entry.key)
         self._index.by_seq[entry.chunk.seq] = entry
