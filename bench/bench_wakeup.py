@@ -124,6 +124,16 @@ def use_handoff(compiled: bool) -> Any:
     return before
 
 
+def one_reader_queue(compiled: bool) -> Any:
+    """A queue of 64-byte slots for one reader, taking the compiled hand-off or the Python
+    path; this process's default is left as it was."""
+    before = use_handoff(compiled)
+    try:
+        return BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
+    finally:
+        use_handoff(before is not None)
+
+
 def queue_reader(name: str, n: int, compiled: bool, out: Any) -> None:
     import shmstore.shm._wait as wait
 
@@ -150,11 +160,7 @@ def queue_handoff(n: int, gap: float, warm: float, ctx: Any,
     """Put-to-get latency of a queue whose writer and reader take the compiled hand-off or the
     Python path, one message per gap; and, on the Python path, the part until the reader's
     semaphore wait returned."""
-    before = use_handoff(compiled)
-    try:
-        q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
-    finally:
-        use_handoff(before is not None)
+    q = one_reader_queue(compiled)
     out = ctx.Queue()
     p = ctx.Process(target=queue_reader, args=(q.name, n, compiled, out))
     p.start()
@@ -195,11 +201,7 @@ IDLE_S = 1.0
 def flood(n: int, ctx: Any, compiled: bool) -> tuple[float, float]:
     """(messages per second, a blocked reader's share of a core) on the compiled hand-off or
     the Python path: one reader, n small messages sent as fast as the slots allow."""
-    before = use_handoff(compiled)
-    try:
-        q = BroadcastQueue.create(None, n_readers=1, slot_bytes=64, n_slots=64)
-    finally:
-        use_handoff(before is not None)
+    q = one_reader_queue(compiled)
     out = ctx.Queue()
     p = ctx.Process(target=flood_reader, args=(q.name, n, compiled, out))
     p.start()

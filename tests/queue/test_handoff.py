@@ -8,6 +8,8 @@ import multiprocessing as mp
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ from tests.conftest import new_name
 CTX = mp.get_context("spawn")
 N_MESSAGES = 300
 PATHS = ["compiled", "python"]
+L_N_SLOTS = 9  # where handoff_layout() puts n_slots (shm/_atomic.c's L_N_SLOTS)
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +130,7 @@ def slot_bytes_of(path: str, msg: Any, tag: int, seq: int) -> bytes:
        tag=st.integers(0, 2**32 - 1), seq=st.integers(1, 9))
 def test_both_paths_write_the_same_slot_bytes(payload: Any, tag: int, seq: int) -> None:
     _requires_compiled()
-    before = _layout.SLOTS
+    before = _layout.SLOTS  # hypothesis runs every example inside one fixture's scope
     try:
         assert slot_bytes_of("compiled", payload, tag, seq) == slot_bytes_of("python", payload, tag,
                                                                                 seq)
@@ -175,30 +178,40 @@ class Stop(Exception):
     pass
 
 
-def raise_stop(*_: Any) -> None:
-    raise Stop
+@contextmanager
+def alarm_during_a_sleeping_get(name: str, handler: Any) -> Iterator[tuple[Any, Any]]:
+    """A queue and its reader, with SIGALRM going to `handler` 0.1 s from now; the handler
+    and the timer are put back on the way out."""
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with BroadcastQueue.create(name, n_readers=1, spin_s=0) as q:
+            r = BroadcastQueue.attach(name, 0)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.1)
+                yield q, r
+                assert q._words.load_acquire(r._row + ROW_SLEEPING) == 0  # not left "asleep"
+                q.put("after")
+                assert r.get(timeout=1) == "after"  # and the reader goes on
+            finally:
+                r.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_signal_handler_that_raises_ends_a_sleeping_get_and_the_reader_goes_on(name: str
                                                                                  ) -> None:
     _requires_compiled()
     set_path("compiled")
-    previous = signal.signal(signal.SIGALRM, raise_stop)
-    try:
-        with BroadcastQueue.create(name, n_readers=1, spin_s=0) as q:
-            r = BroadcastQueue.attach(name, 0)
-            signal.setitimer(signal.ITIMER_REAL, 0.1)
-            t0 = time.monotonic()
-            with pytest.raises(Stop):
-                r.get(timeout=5)
-            assert time.monotonic() - t0 < 2
-            assert q._words.load_acquire(r._row + ROW_SLEEPING) == 0  # not left "asleep"
-            q.put("after")
-            assert r.get(timeout=1) == "after"
-            r.close()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+    def stop(*_: Any) -> None:
+        raise Stop
+
+    with alarm_during_a_sleeping_get(name, stop) as (_, r):
+        t0 = time.monotonic()
+        with pytest.raises(Stop):
+            r.get(timeout=5)
+        assert time.monotonic() - t0 < 2
 
 
 def test_on_the_python_path_posix_ipc_loses_what_a_raising_handler_raised(name: str) -> None:
@@ -208,25 +221,14 @@ def test_on_the_python_path_posix_ipc_loses_what_a_raising_handler_raised(name: 
     set_path("python")
     ran = []
 
-    def handler(*_: Any) -> None:
+    def stop(*_: Any) -> None:
         ran.append(1)
         raise Stop
 
-    previous = signal.signal(signal.SIGALRM, handler)
-    try:
-        with BroadcastQueue.create(name, n_readers=1, spin_s=0) as q:
-            r = BroadcastQueue.attach(name, 0)
-            signal.setitimer(signal.ITIMER_REAL, 0.1)
-            with pytest.raises(Timeout):
-                r.get(timeout=0.5)
-            assert ran and q._words.load_acquire(r._row + ROW_SLEEPING) == 0
-            q.put("after")
-            assert r.get(timeout=1) == "after"
-            r.close()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        set_path("compiled")
+    with alarm_during_a_sleeping_get(name, stop) as (_, r):
+        with pytest.raises(Timeout):
+            r.get(timeout=0.5)
+        assert ran
 
 
 def test_a_close_from_another_thread_ends_a_sleeping_get(name: str, handoff: str) -> None:
@@ -244,33 +246,30 @@ def test_the_compiled_slots_check_their_layout_and_their_role(name: str) -> None
     _requires_compiled()
     Slots = _layout.COMPILED_SLOTS
     set_path("compiled")
-    try:
-        with BroadcastQueue.create(name, n_readers=1, slot_bytes=64, n_slots=2) as q:
-            layout = q.handoff_layout()
-            bells = (q._bells[0].name,)
-            with pytest.raises(ValueError, match="layout has"):
-                Slots(q._words, layout[:-1], -1, bells, None)
-            too_many = list(layout)
-            too_many[layout.index(2, 9)] = 10**6  # n_slots: far past the mapping
-            with pytest.raises(ValueError, match="does not fit"):
-                Slots(q._words, tuple(too_many), -1, bells, None)
-            with pytest.raises(ValueError, match="posts one doorbell"):
-                Slots(q._words, layout, -1, bells, bells[0])
-            with pytest.raises(FileNotFoundError):
-                Slots(q._words, layout, -1, ("/no-such-bell-" + name[-8:],), None)
-            with pytest.raises(TypeError, match="for the queue's readers"):
-                q._slots.take(1)
-            with pytest.raises(ValueError, match="start at 1"):
-                q._slots.publish(0, 0, b"")
-            with pytest.raises(ValueError, match="does not fit a 64-byte slot"):
-                q._slots.publish(1, 0, b"x" * 65)
-            with pytest.raises(OverflowError):
-                q._slots.publish(1, 2**32, b"")
-            slots = q._slots
-        with pytest.raises(ValueError, match="released"):
-            slots.publish(1, 0, b"")
-    finally:
-        set_path("compiled")
+    with BroadcastQueue.create(name, n_readers=1, slot_bytes=64, n_slots=2) as q:
+        layout = q.handoff_layout()
+        bells = (q._bells[0].name,)
+        with pytest.raises(ValueError, match="layout has"):
+            Slots(q._words, layout[:-1], -1, bells, None)
+        too_many = list(layout)
+        too_many[L_N_SLOTS] = 10**6  # n_slots: far past the mapping
+        with pytest.raises(ValueError, match="does not fit"):
+            Slots(q._words, tuple(too_many), -1, bells, None)
+        with pytest.raises(ValueError, match="posts one doorbell"):
+            Slots(q._words, layout, -1, bells, bells[0])
+        with pytest.raises(FileNotFoundError):
+            Slots(q._words, layout, -1, ("/no-such-bell-" + name[-8:],), None)
+        with pytest.raises(TypeError, match="for the queue's readers"):
+            q._slots.take(1)
+        with pytest.raises(ValueError, match="start at 1"):
+            q._slots.publish(0, 0, b"")
+        with pytest.raises(ValueError, match="does not fit a 64-byte slot"):
+            q._slots.publish(1, 0, b"x" * 65)
+        with pytest.raises(OverflowError):
+            q._slots.publish(1, 2**32, b"")
+        slots = q._slots
+    with pytest.raises(ValueError, match="released"):
+        slots.publish(1, 0, b"")
 
 
 class QueueModel(RuleBasedStateMachine):
