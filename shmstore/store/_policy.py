@@ -62,6 +62,7 @@ class EvictionPolicy:
     id = 0  # stored in the segment header, so readers and tools can show the policy
     budget_factor = 0  # one put may copy this many times its own ring bytes forward
     max_uses = 1
+    record_bits = 2  # bits of RingReplay's field: a record (0 to max_uses) and a "held" bit
 
     @property
     def rule(self) -> str:
@@ -128,6 +129,7 @@ class FreqPolicy(ReinsertPolicy):
     id = 3
     budget_factor = 4
     max_uses = 3
+    record_bits = 3
     ghost_start = 2  # use count of a key that returns while its ghost is remembered
     # Ghosts kept per cached object. Measured with bench/bench_hitrate.py's replay on every
     # family at 1-25% of the working set and on four trace seeds: 4x beat 1x in 29-31 of 32
@@ -192,6 +194,7 @@ class RecencyPolicy(EvictionPolicy):
     id = 5
     budget_factor = 64  # what is kept is only what is in use; bounded all the same
     max_uses = 3
+    record_bits = _LAST_SHIFT + _TICK_BITS + 1  # a packed record (_pack) and a "held" bit
     # Measured in bench/bench_policy_goal.py's 128 cells as adaptive's recency rule: 0.85 left
     # no cell below LRU - 0.5 points (worst -0.25 and -0.28) at 20,000 and 40,000 requests per
     # trace; 0.8 left 2 (chat at 25%, -0.65), and 0.9 none but 9 more than 0.2 points below the
@@ -215,10 +218,12 @@ class RecencyPolicy(EvictionPolicy):
         # resets a sum left too high; one left too low lets the LRU hold that chunk more.
         recent = self._recent
         old = recent.pop(key, None)
-        if old is not None:
-            self._recent_bytes -= old & _BYTES_MASK
         # the tick admitted() or hit() gives it (int(): a trace may give numpy's ints)
         recent[key] = (self._now + 1) << _BYTES_BITS | int(chunk_bytes)
+        if old is not None:
+            if old & _BYTES_MASK == chunk_bytes:
+                return  # the same bytes again (most hits): the sum stays, nothing is over it
+            self._recent_bytes -= old & _BYTES_MASK
         self._recent_bytes += chunk_bytes
         while self._recent_bytes > self._recent_limit and recent:
             self._recent_bytes -= recent.popitem(last=False)[1] & _BYTES_MASK
@@ -249,7 +254,9 @@ class RecencyPolicy(EvictionPolicy):
     def stamp_hit(self, uses: int) -> int:
         """The record after one more hand-out of the object of `uses`, at this request's tick
         (hit() takes the tick first)."""
-        return _pack(min((uses & _COUNT_MASK) + 1, self.max_uses), _SINCE_BIT, self._now)
+        count = uses & _COUNT_MASK  # _pack(min(count + 1, max_uses), _SINCE_BIT, now), inlined
+        return ((self._now & _TICK_MASK) << _LAST_SHIFT | _SINCE_BIT
+                | count + (count < self.max_uses))
 
     def keep(self, uses: int, chunk_bytes: int, budget_bytes: int) -> bool:
         return chunk_bytes <= budget_bytes and self.in_use(uses)
@@ -266,20 +273,28 @@ class RingReplay:
     """A ring of keys and sizes run by one policy, with no bytes: the store's placement rule
     (`shm.ring.place_chunk`) and its reclaim loop when every reader is done with every object.
 
-    `AdaptivePolicy` runs one per rival policy; `cache.hitsim.RingSim` runs one per replay.
-    The chunks, oldest first, are three circular buffers (addresses and sizes in int arrays,
-    keys in a list: 24 bytes a chunk and room to grow, not a tuple and an int object each),
-    doubled when full, between two running
-    counts, `_first` (chunks ever popped) and `_end` (chunks ever pushed); each change commits
-    in one statement.
+    `cache.hitsim.RingSim` runs one per replay; `AdaptivePolicy` runs one per rival policy, all
+    three on one dict of records. The chunks, oldest first, are three circular buffers
+    (addresses and sizes in int arrays, keys in a list: 24 bytes a chunk and room to grow, not
+    a tuple and an int object each), doubled when full, between two running counts, `_first`
+    (chunks ever popped) and `_end` (chunks ever pushed). The policy's record of each key the
+    ring holds is a field of `record_bits` bits at bit `shift` of the key's int in `records`:
+    the record shifted left by one, and 1 in the field's lowest bit while the ring holds the key
+    (0: not held). Several rings so share one dict entry and one int per key. Each change
+    commits in one statement.
     """
 
-    def __init__(self, policy: EvictionPolicy, capacity_bytes: int) -> None:
+    def __init__(self, policy: EvictionPolicy, capacity_bytes: int,
+                 records: dict[Hashable, int] | None = None, shift: int = 0) -> None:
         self.policy = policy
         self.capacity_bytes = capacity_bytes
         self._buffers = _chunk_buffers(16)  # (addresses, sizes, keys), each of one length
         self._first = self._end = 0
-        self._uses: dict[Hashable, int] = {}
+        self._owns_records = records is None
+        self._records: dict[Hashable, int] = {} if records is None else records
+        self._shift = shift
+        self._mask = (1 << policy.record_bits) - 1
+        self.held = 0  # keys with a record here (the policy's evicted() is told it)
         self.evictions = self.bytes_reinserted = 0
         # fifo's, reinsert's and freq's requested() do nothing: not calling it saves a call
         self._requests = type(policy).requested is not EvictionPolicy.requested
@@ -291,6 +306,11 @@ class RingReplay:
         n = len(addresses)
         return [(addresses[i % n], sizes[i % n], keys[i % n])
                 for i in range(self._first, self._end)]
+
+    def keys(self) -> list[Hashable]:
+        """The keys this ring holds a record of (for checks; O(records))."""
+        shift, mask = self._shift, self._mask
+        return [key for key, record in self._records.items() if record >> shift & mask]
 
     def _place(self, chunk_bytes: int) -> int | None:
         first, end = self._first, self._end
@@ -319,62 +339,78 @@ class RingReplay:
         buffers[2][slot] = key
         self._end += 1  # the commit
 
+    def _record(self, key: Hashable, uses: int) -> None:
+        """Hold `uses` as the record of `key`, which this ring held no record of."""
+        records = self._records
+        records[key] = records.get(key, 0) | (uses << 1 | 1) << self._shift
+        self.held += 1
+
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._uses
+        return bool(self._records.get(key, 0) >> self._shift & self._mask)
 
     def uses_of(self, key: Hashable) -> int | None:
         """The policy's record of `key`, None if the ring does not hold it."""
-        return self._uses.get(key)
-
-    def hit(self, key: Hashable, uses: int) -> None:
-        """A hit on `key`, which the ring holds with record `uses` (uses_of), once the policy's
-        requested() was called if it has one."""
-        self._uses[key] = self.policy.hit(uses)
+        field = self._records.get(key, 0) >> self._shift & self._mask
+        return field >> 1 if field else None
 
     def request(self, key: Hashable, chunk_bytes: int) -> bool:
         """One request for `key`, whose object takes `chunk_bytes` (at most the capacity) of
         ring; True on a hit."""
-        uses = self._uses
+        records, shift, mask = self._records, self._shift, self._mask
         policy = self.policy
-        old = uses.get(key)
-        if old is not None:
+        record = records.get(key, 0)
+        field = record >> shift & mask
+        if field:
             if self._requests:
                 policy.requested(key, chunk_bytes)
-            uses[key] = policy.hit(old)
+            records[key] = record + (((policy.hit(field >> 1) << 1 | 1) - field) << shift)
             return True
         budget = policy.copy_budget(chunk_bytes)
         # An exception (a signal handler's, inside a store's put) may stop this between any two
         # lines: a key's record is written before its chunk, and a chunk without a record is
-        # skipped at the tail, so the replay never raises for what an earlier call left half done.
+        # skipped at the tail, so the replay never raises for what an earlier call left half
+        # done (`held` may be left one off: freq's ghost list is then one key longer or shorter).
         while (address := self._place(chunk_bytes)) is None:  # the store's _make_room
             _, sizes, keys = self._buffers
             slot = self._first % len(sizes)
             old_bytes, old_key = sizes[slot], keys[slot]
             keys[slot] = None  # the buffer holds no key it no longer needs
             self._first += 1  # the pop's commit
-            old_uses = uses.pop(old_key, None)
-            if old_uses is None:
+            old_record = records.get(old_key, 0)
+            old_field = old_record >> shift & mask
+            if not old_field:
                 continue
-            if policy.keep(old_uses, old_bytes, budget):
+            if old_record == old_field << shift:  # no other ring holds a record of old_key
+                del records[old_key]
+            else:
+                records[old_key] = old_record - (old_field << shift)
+            self.held -= 1
+            if policy.keep(old_field >> 1, old_bytes, budget):
                 moved = self._place(old_bytes)
                 if moved is not None:
-                    uses[old_key] = policy.kept(old_uses)
+                    self._record(old_key, policy.kept(old_field >> 1))
                     self._push(moved, old_bytes, old_key)
                     budget -= old_bytes
                     self.bytes_reinserted += old_bytes
                     continue
             self.evictions += 1
-            policy.evicted(old_key, len(uses))
+            policy.evicted(old_key, self.held)
         if self._requests:
             policy.requested(key, chunk_bytes)
-        uses[key] = policy.admitted(key)
+        uses = policy.admitted(key)
+        records[key] = records.get(key, 0) | (uses << 1 | 1) << shift  # what _record does
+        self.held += 1
         self._push(address, chunk_bytes, key)
         return False
 
     def clear(self) -> None:
+        """Empty the ring and forget the policy's history (a ring on a shared dict of records:
+        its owner clears the dict)."""
         self._buffers = _chunk_buffers(16)
         self._first = self._end = 0
-        self._uses.clear()
+        if self._owns_records:
+            self._records.clear()
+        self.held = 0
         self.policy.clear()
 
 
@@ -382,11 +418,21 @@ def _chunk_buffers(n: int) -> tuple[array[int], array[int], list[Hashable]]:
     return array("q", bytes(8 * n)), array("q", bytes(8 * n)), [None] * n
 
 
+# Where AdaptivePolicy's shadows keep their fields (RingReplay's) in a key's one int: recency's
+# long record in the low bits, then freq's and reinsert's.
+_FREQ_SHIFT = RecencyPolicy.record_bits
+_REINSERT_SHIFT = _FREQ_SHIFT + FreqPolicy.record_bits
+_HELD_IN_ALL = 1 | 1 << _FREQ_SHIFT | 1 << _REINSERT_SHIFT
+_RECENCY_RECORD = (1 << RecencyPolicy.record_bits - 1) - 1
+_REINSERT_HIT = (ReinsertPolicy.max_uses << 1 | 1) << _REINSERT_SHIFT  # a hit sets its bit
+
+
 class AdaptivePolicy(FreqPolicy):
     """Apply the rule of whichever rival (freq, reinsert, recency) hits most lately.
 
     Each rival runs as a shadow `RingReplay` of the store's capacity on every request (keys
-    and sizes only). The recency shadow's policy is also the one this policy judges its own
+    and sizes only); the three keep their records of a key in one int of one dict. The recency
+    shadow's policy is also the one this policy judges its own
     objects by: one LRU of keys and one clock serve both (the shadow updates the LRU and ticks
     the clock in `requested`, before the store's `admitted` or `hit` reads the clock; each sees
     the LRU as the previous request left it when it decides at its tail, as two copies did).
@@ -397,6 +443,7 @@ class AdaptivePolicy(FreqPolicy):
 
     name = "adaptive"
     id = 4
+    record_bits = RecencyPolicy.record_bits  # its own objects' records are recency's
     rivals = ("freq", "reinsert", "recency")
     # In the 128-cell replay of bench/bench_policy_goal.py, windows of 10k, 20k and 40k requests
     # each left one cell below LRU - 0.5 points; 20k left the fewest cells (1, against 2 and 3)
@@ -406,6 +453,7 @@ class AdaptivePolicy(FreqPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._recency = RecencyPolicy()  # the recency shadow's: its clock and LRU judge ours too
+        self._records: dict[Hashable, int] = {}  # the three shadows' records, one int a key
         self._shadows: tuple[RingReplay, ...] = ()
         self._scores = [0.0] * len(self.rivals)
         self._decay = 1 - 1 / self.window_requests
@@ -418,25 +466,31 @@ class AdaptivePolicy(FreqPolicy):
         return self.rivals[self.mode]
 
     def start(self, capacity_bytes: int) -> None:
-        self._shadows = tuple(
-            RingReplay(self._recency if name == "recency" else make_policy(name), capacity_bytes)
-            for name in self.rivals)
+        self._shadows = (
+            RingReplay(make_policy("freq"), capacity_bytes, self._records, _FREQ_SHIFT),
+            RingReplay(make_policy("reinsert"), capacity_bytes, self._records, _REINSERT_SHIFT),
+            RingReplay(self._recency, capacity_bytes, self._records, 0))
 
     def requested(self, key: Hashable, chunk_bytes: int) -> None:
+        records = self._records
+        record = records.get(key, 0)
+        if record & _HELD_IN_ALL == _HELD_IN_ALL:
+            # A hit in every shadow (most hits): what their request() does, in one step. Each
+            # score gains 1 after the same decay, and rounding is monotonic, so the highest
+            # stays the highest: the rule does not change.
+            self._recency.requested(key, chunk_bytes)
+            count = record >> _FREQ_SHIFT + 1 & _COUNT_MASK  # freq's: min(count + 1, 3)
+            records[key] = ((self._recency.hit(record >> 1 & _RECENCY_RECORD) << 1 | 1)
+                            | ((count + (count < FreqPolicy.max_uses)) << 1 | 1) << _FREQ_SHIFT
+                            | _REINSERT_HIT)
+            decay = self._decay
+            scores = self._scores
+            self._scores = [scores[0] * decay + 1, scores[1] * decay + 1, scores[2] * decay + 1]
+            return
         freq, reinsert, recency = self._shadows
         decay = self._decay
-        in_freq, in_reinsert, in_recency = (freq.uses_of(key), reinsert.uses_of(key),
-                                            recency.uses_of(key))
-        if in_freq is not None and in_reinsert is not None and in_recency is not None:
-            # a hit in every shadow (most hits): what request() does, without looking again
-            freq.hit(key, in_freq)
-            reinsert.hit(key, in_reinsert)
-            self._recency.requested(key, chunk_bytes)
-            recency.hit(key, in_recency)
-            found = (True, True, True)
-        else:
-            found = (freq.request(key, chunk_bytes), reinsert.request(key, chunk_bytes),
-                     recency.request(key, chunk_bytes))
+        found = (freq.request(key, chunk_bytes), reinsert.request(key, chunk_bytes),
+                 recency.request(key, chunk_bytes))
         scores = self._scores = [self._scores[0] * decay + found[0],
                                  self._scores[1] * decay + found[1],
                                  self._scores[2] * decay + found[2]]
@@ -472,6 +526,7 @@ class AdaptivePolicy(FreqPolicy):
     def clear(self) -> None:
         super().clear()
         self._recency.clear()
+        self._records.clear()
         for shadow in self._shadows:
             shadow.clear()  # the recency shadow clears the shared LRU once more: harmless
         self._scores = [0.0] * len(self.rivals)

@@ -144,7 +144,7 @@ def test_adaptive_switches_when_the_workload_does_and_clear_forgets() -> None:
     assert policy.copy_budget(1000) == 4000  # freq's budget while freq's rule applies
     replay.clear()
     assert policy._scores == [0.0, 0.0, 0.0]
-    assert all(not list(s._uses) for s in policy._shadows)
+    assert all(not s.keys() for s in policy._shadows) and not policy._records
 
 
 def test_adaptive_copying_is_bounded_per_put_by_the_rules_largest_budget() -> None:
@@ -232,4 +232,4 @@ def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
     assert stopped == 1 and calls[0] > 3
     used = sum(size for _, size, _ in replay.chunks())
     assert used <= replay.capacity_bytes
-    assert set(replay._uses) <= {key for _, _, key in replay.chunks()}
+    assert set(replay.keys()) <= {key for _, _, key in replay.chunks()}
