@@ -296,8 +296,14 @@ class RingReplay:
         self._mask = (1 << policy.record_bits) - 1
         self.held = 0  # keys with a record here (the policy's evicted() is told it)
         self.evictions = self.bytes_reinserted = 0
-        # fifo's, reinsert's and freq's requested() do nothing: not calling it saves a call
-        self._requests = type(policy).requested is not EvictionPolicy.requested
+        # Calls to the base's methods that do nothing or only multiply are left out, as the
+        # base would do them: fifo's, reinsert's and freq's requested(), the shadows' copy
+        # budgets, reinsert's and recency's evicted(), reinsert's admitted().
+        kind = type(policy)
+        self._requests = kind.requested is not EvictionPolicy.requested
+        self._evicts = kind.evicted is not EvictionPolicy.evicted
+        self._admits = kind.admitted is not EvictionPolicy.admitted
+        self._budgets = kind.copy_budget is not EvictionPolicy.copy_budget
         policy.start(capacity_bytes)
 
     def chunks(self) -> list[tuple[int, int, Hashable]]:
@@ -365,7 +371,8 @@ class RingReplay:
                 policy.requested(key, chunk_bytes)
             records[key] = record + (((policy.hit(field >> 1) << 1 | 1) - field) << shift)
             return True
-        budget = policy.copy_budget(chunk_bytes)
+        budget = (policy.copy_budget(chunk_bytes) if self._budgets
+                  else policy.budget_factor * chunk_bytes)
         # An exception (a signal handler's, inside a store's put) may stop this between any two
         # lines: a key's record is written before its chunk, and a chunk without a record is
         # skipped at the tail, so the replay never raises for what an earlier call left half
@@ -394,10 +401,11 @@ class RingReplay:
                     self.bytes_reinserted += old_bytes
                     continue
             self.evictions += 1
-            policy.evicted(old_key, self.held)
+            if self._evicts:
+                policy.evicted(old_key, self.held)
         if self._requests:
             policy.requested(key, chunk_bytes)
-        uses = policy.admitted(key)
+        uses = policy.admitted(key) if self._admits else 0
         records[key] = records.get(key, 0) | (uses << 1 | 1) << shift  # what _record does
         self.held += 1
         self._push(address, chunk_bytes, key)

@@ -209,8 +209,9 @@ def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
     replay = RingReplay(make_policy(policy_name), 10 * 1024)
     reused = 23 if policy_name == "freq" else 5  # recency keeps only what an LRU of 8 holds
     policy = replay.policy
-    if where == "requested" and type(policy).requested is EvictionPolicy.requested:
-        assert not replay._requests  # freq's requested() is the base's no-op: never called
+    if getattr(type(policy), where) is getattr(EvictionPolicy, where) and where != "keep":
+        # the base's no-op (freq's requested(), recency's evicted()): never called
+        assert not {"requested": replay._requests, "evicted": replay._evicts}[where]
         return
     real = getattr(policy, where)
     calls = [0]
