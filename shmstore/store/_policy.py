@@ -275,20 +275,22 @@ class RingReplay:
 
     `cache.hitsim.RingSim` runs one per replay; `AdaptivePolicy` runs one per rival policy, all
     three on one dict of records. The chunks, oldest first, are three circular buffers
-    (addresses and sizes in int arrays, keys in a list: 24 bytes a chunk and room to grow, not
-    a tuple and an int object each), doubled when full, between two running counts, `_first`
-    (chunks ever popped) and `_end` (chunks ever pushed). The policy's record of each key the
-    ring holds is a field of `record_bits` bits at bit `shift` of the key's int in `records`:
-    the record shifted left by one, and 1 in the field's lowest bit while the ring holds the key
-    (0: not held). Several rings so share one dict entry and one int per key. Each change
-    commits in one statement.
+    (addresses and sizes in int arrays, keys in a list: 16 bytes a chunk in a ring below 4 GiB,
+    24 above, and room to grow; not a tuple and an int object each), doubled when full, between
+    two running counts, `_first` (chunks ever popped) and `_end` (chunks ever pushed). The
+    policy's record of each key the ring holds is a field of `record_bits` bits at bit `shift`
+    of the key's int in `records`: the record shifted left by one, and 1 in the field's lowest
+    bit while the ring holds the key (0: not held). Several rings so share one dict entry and
+    one int per key. Each change commits in one statement.
     """
 
     def __init__(self, policy: EvictionPolicy, capacity_bytes: int,
                  records: dict[Hashable, int] | None = None, shift: int = 0) -> None:
         self.policy = policy
         self.capacity_bytes = capacity_bytes
-        self._buffers = _chunk_buffers(16)  # (addresses, sizes, keys), each of one length
+        # addresses and sizes are below the capacity: 4 bytes each where it is below 4 GiB
+        self._int_code = "I" if capacity_bytes < 1 << 32 else "q"
+        self._buffers = _chunk_buffers(16, self._int_code)  # (addresses, sizes, keys)
         self._first = self._end = 0
         self._owns_records = records is None
         self._records: dict[Hashable, int] = {} if records is None else records
@@ -332,7 +334,7 @@ class RingReplay:
         buffers = self._buffers
         n = len(buffers[0])
         if self._end - self._first == n:  # full: twice the room, in the same order
-            grown = _chunk_buffers(2 * n)
+            grown = _chunk_buffers(2 * n, self._int_code)
             for i in range(self._first, self._end):
                 grown[0][i % (2 * n)] = buffers[0][i % n]
                 grown[1][i % (2 * n)] = buffers[1][i % n]
@@ -414,7 +416,7 @@ class RingReplay:
     def clear(self) -> None:
         """Empty the ring and forget the policy's history (a ring on a shared dict of records:
         its owner clears the dict)."""
-        self._buffers = _chunk_buffers(16)
+        self._buffers = _chunk_buffers(16, self._int_code)
         self._first = self._end = 0
         if self._owns_records:
             self._records.clear()
@@ -422,8 +424,9 @@ class RingReplay:
         self.policy.clear()
 
 
-def _chunk_buffers(n: int) -> tuple[array[int], array[int], list[Hashable]]:
-    return array("q", bytes(8 * n)), array("q", bytes(8 * n)), [None] * n
+def _chunk_buffers(n: int, int_code: str) -> tuple[array[int], array[int], list[Hashable]]:
+    zeros = bytes(n * array(int_code).itemsize)
+    return array(int_code, zeros), array(int_code, zeros), [None] * n
 
 
 # Where AdaptivePolicy's shadows keep their fields (RingReplay's) in a key's one int: recency's

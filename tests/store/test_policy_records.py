@@ -127,3 +127,17 @@ def test_adaptive_on_one_dict_decides_as_the_reference_on_random_traces(
             shadow._uses.get(f"k{k}") for shadow in old._shadows], step
     assert (new_ring.evictions, new_ring.bytes_reinserted) == (old_ring.evictions,
                                                                old_ring.bytes_reinserted)
+
+
+@pytest.mark.parametrize("capacity", [(4 << 30) - 4096, 6 << 30])
+def test_a_ring_keeps_addresses_and_sizes_on_either_side_of_4_gib(capacity: int) -> None:
+    """Below 4 GiB the chunk buffers hold 4-byte ints, above 8-byte: the largest address and
+    size each can meet round the ring, through growth of the buffers."""
+    ring = RingReplay(make_policy("freq"), capacity)
+    size = capacity // 40  # 40 chunks a pass: the buffers grow twice
+    for i in range(130):
+        ring.request(f"k{i % 90}", size + i % 3)
+    chunks = ring.chunks()
+    assert all(0 <= address and address + nbytes <= capacity for address, nbytes, _ in chunks)
+    assert max(address + nbytes for address, nbytes, _ in chunks) > capacity - 3 * size
+    assert ring._buffers[0].itemsize == (4 if capacity < 1 << 32 else 8)
