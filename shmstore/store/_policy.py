@@ -296,7 +296,6 @@ class RingReplay:
         self._records: dict[Hashable, int] = {} if records is None else records
         self._shift = shift
         self._mask = (1 << policy.record_bits) - 1
-        self.held = 0  # keys with a record here (the policy's evicted() is told it)
         self.evictions = self.bytes_reinserted = 0
         # Calls to the base's methods that do nothing or only multiply are left out, as the
         # base would do them: fifo's, reinsert's and freq's requested(), the shadows' copy
@@ -347,12 +346,6 @@ class RingReplay:
         buffers[2][slot] = key
         self._end += 1  # the commit
 
-    def _record(self, key: Hashable, uses: int) -> None:
-        """Hold `uses` as the record of `key`, which this ring held no record of."""
-        records = self._records
-        records[key] = records.get(key, 0) | (uses << 1 | 1) << self._shift
-        self.held += 1
-
     def __contains__(self, key: Hashable) -> bool:
         return bool(self._records.get(key, 0) >> self._shift & self._mask)
 
@@ -378,7 +371,8 @@ class RingReplay:
         # An exception (a signal handler's, inside a store's put) may stop this between any two
         # lines: a key's record is written before its chunk, and a chunk without a record is
         # skipped at the tail, so the replay never raises for what an earlier call left half
-        # done (`held` may be left one off: freq's ghost list is then one key longer or shorter).
+        # done. (The policy's evicted() is told the chunks left: the keys held, but for what an
+        # exception left half done, which moves freq's bound on its ghost list by a key.)
         while (address := self._place(chunk_bytes)) is None:  # the store's _make_room
             _, sizes, keys = self._buffers
             slot = self._first % len(sizes)
@@ -393,23 +387,22 @@ class RingReplay:
                 del records[old_key]
             else:
                 records[old_key] = old_record - (old_field << shift)
-            self.held -= 1
             if policy.keep(old_field >> 1, old_bytes, budget):
                 moved = self._place(old_bytes)
                 if moved is not None:
-                    self._record(old_key, policy.kept(old_field >> 1))
+                    kept = policy.kept(old_field >> 1)
+                    records[old_key] = records.get(old_key, 0) | (kept << 1 | 1) << shift
                     self._push(moved, old_bytes, old_key)
                     budget -= old_bytes
                     self.bytes_reinserted += old_bytes
                     continue
             self.evictions += 1
             if self._evicts:
-                policy.evicted(old_key, self.held)
+                policy.evicted(old_key, self._end - self._first)
         if self._requests:
             policy.requested(key, chunk_bytes)
         uses = policy.admitted(key) if self._admits else 0
-        records[key] = records.get(key, 0) | (uses << 1 | 1) << shift  # what _record does
-        self.held += 1
+        records[key] = records.get(key, 0) | (uses << 1 | 1) << shift
         self._push(address, chunk_bytes, key)
         return False
 
@@ -420,7 +413,6 @@ class RingReplay:
         self._first = self._end = 0
         if self._owns_records:
             self._records.clear()
-        self.held = 0
         self.policy.clear()
 
 

@@ -36,7 +36,7 @@ def test_every_policys_largest_record_fits_its_field() -> None:
 
 def _state(ring: RingReplay, keys: list[str]) -> tuple[object, ...]:
     return (ring.chunks(), sorted(map(str, ring.keys())), [ring.uses_of(k) for k in keys],
-            ring.evictions, ring.bytes_reinserted, ring.held)
+            ring.evictions, ring.bytes_reinserted)
 
 
 @settings(max_examples=60, deadline=None)
