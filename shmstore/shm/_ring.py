@@ -304,7 +304,8 @@ class RingWriter(ShmRingBuffer):
     def allocate_if_free(self, nbytes: int) -> Chunk | None:
         """allocate(), or None where no contiguous space is left (fits() and allocate() in one
         placement: the store's put asks this once per object)."""
-        nbytes = int_arg(nbytes, "nbytes", 0, self._data_end - self._data_start)
+        if type(nbytes) is not int or not 0 <= nbytes <= self._data_end - self._data_start:
+            nbytes = int_arg(nbytes, "nbytes", 0, self._data_end - self._data_start)  # or raise
         chunk_bytes = self.chunk_bytes_for(nbytes)
         address = self._place(chunk_bytes)
         if address is None:

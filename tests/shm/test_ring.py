@@ -159,6 +159,22 @@ def test_bad_capacity(capacity: object) -> None:
         ShmRingBuffer.create(new_name("cap"), capacity_bytes=capacity)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("nbytes", [-1, True, 1.5, "64", 8 * LINE + 1])
+def test_allocate_checks_its_size_before_it_places_anything(ring, nbytes: object) -> None:
+    with pytest.raises(InvalidArgument, match="nbytes"):
+        ring.allocate(nbytes)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="nbytes"):
+        ring.allocate_if_free(nbytes)  # type: ignore[arg-type]
+    assert ring.oldest() is None
+
+
+def test_allocate_takes_a_numpy_int_as_its_int(ring) -> None:
+    import numpy as np
+
+    chunk = ring.allocate_if_free(np.int64(LINE))
+    assert chunk is not None and chunk.payload_bytes == LINE and type(chunk.payload_bytes) is int
+
+
 class RingModel(RuleBasedStateMachine):
     """Drive the ring with random operations against a plain list of live chunks."""
 
