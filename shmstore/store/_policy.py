@@ -36,6 +36,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from .._proc import int_arg
 from ..errors import InvalidArgument
 from ..shm._ring import place_chunk
 
@@ -177,6 +178,8 @@ _LAST_SHIFT = 3
 
 
 _BYTES_BITS = 52  # a chunk's bytes in the recency LRU's int: rings hold at most 4 PiB
+_MAX_RING_BYTES = (1 << _BYTES_BITS) - 1
+_MAX_SHIFT = 1024  # where a RingReplay's field may start in a shared record (any few rings')
 _BYTES_MASK = (1 << _BYTES_BITS) - 1
 
 
@@ -286,6 +289,20 @@ class RingReplay:
 
     def __init__(self, policy: EvictionPolicy, capacity_bytes: int,
                  records: dict[Hashable, int] | None = None, shift: int = 0) -> None:
+        """A ring of `capacity_bytes` run by `policy`; its records in `records` (a dict other
+        rings may share, each with its own `shift`: their fields must not overlap) or, by
+        default, in a dict of its own.
+
+        Raises:
+            InvalidArgument: a capacity or shift that is not a non-negative int, or records
+                that are not a dict.
+        """
+        capacity_bytes = int_arg(capacity_bytes, "capacity_bytes", 0, _MAX_RING_BYTES)
+        shift = int_arg(shift, "shift", 0, _MAX_SHIFT)
+        if records is not None and type(records) is not dict:
+            raise InvalidArgument(f"records must be a dict (shared by the rings that keep their "
+                                  f"records in it) or None, got {type(records).__name__}",
+                                  "records", records)
         self.policy = policy
         self.capacity_bytes = capacity_bytes
         # addresses and sizes are below the capacity: 4 bytes each where it is below 4 GiB
@@ -356,7 +373,11 @@ class RingReplay:
 
     def request(self, key: Hashable, chunk_bytes: int) -> bool:
         """One request for `key`, whose object takes `chunk_bytes` (at most the capacity) of
-        ring; True on a hit."""
+        ring; True on a hit.
+
+        Raises:
+            InvalidArgument: on a miss, `chunk_bytes` is not 1 to the capacity (nothing changed).
+        """
         records, shift, mask = self._records, self._shift, self._mask
         policy = self.policy
         record = records.get(key, 0)
@@ -366,6 +387,11 @@ class RingReplay:
                 policy.requested(key, chunk_bytes)
             records[key] = record + (((policy.hit(field >> 1) << 1 | 1) - field) << shift)
             return True
+        if not 0 < chunk_bytes <= self.capacity_bytes:
+            raise InvalidArgument(f"a chunk of {chunk_bytes} bytes cannot go in a ring of "
+                                  f"{self.capacity_bytes} bytes: give sizes of 1 to the capacity "
+                                  "(RingSim counts a larger object as inline)", "chunk_bytes",
+                                  chunk_bytes)
         budget = (policy.copy_budget(chunk_bytes) if self._budgets
                   else policy.budget_factor * chunk_bytes)
         # An exception (a signal handler's, inside a store's put) may stop this between any two

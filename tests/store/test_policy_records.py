@@ -141,3 +141,26 @@ def test_a_ring_keeps_addresses_and_sizes_on_either_side_of_4_gib(capacity: int)
     assert all(0 <= address and address + nbytes <= capacity for address, nbytes, _ in chunks)
     assert max(address + nbytes for address, nbytes, _ in chunks) > capacity - 3 * size
     assert ring._buffers[0].itemsize == (4 if capacity < 1 << 32 else 8)
+
+
+@pytest.mark.parametrize("args, argument", [
+    ((-1,), "capacity_bytes"), ((1.5,), "capacity_bytes"), ((True,), "capacity_bytes"),
+    ((1 << 52,), "capacity_bytes"), ((KIB, [], 0), "records"), ((KIB, None, -3), "shift"),
+    ((KIB, {}, 2.0), "shift"), ((KIB, {}, 1 << 20), "shift")])
+def test_a_ring_refuses_what_it_cannot_replay_on(args: tuple[object, ...], argument: str) -> None:
+    from shmstore.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=argument):
+        RingReplay(make_policy("freq"), *args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["freq", "adaptive"])
+def test_a_chunk_larger_than_the_ring_is_refused_and_the_ring_goes_on(policy: str) -> None:
+    from shmstore.errors import InvalidArgument
+
+    ring = RingReplay(make_policy(policy), 4 * KIB)
+    assert not ring.request("a", KIB)
+    for bad in (4 * KIB + 1, 0, -KIB):
+        with pytest.raises(InvalidArgument, match="chunk"):
+            ring.request("b", bad)
+    assert ring.request("a", KIB) and [key for _, _, key in ring.chunks()] == ["a"]
