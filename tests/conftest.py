@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import stat
 import time
 from collections.abc import Iterator
@@ -12,6 +13,12 @@ import pytest
 
 from shmstore._proc import pid_alive
 from shmstore.shm._segment import MAGIC, SEGMENT_HEADER, SHM_DIR
+
+# A shell starts a command it runs in the background with SIGINT ignored, and every process
+# the command starts inherits that: the tests that stop a program with Ctrl-C would see it
+# carry on. A handler of our own is reset to the default in each program they start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SESSION_START_NS = time.time_ns()
 # One token per test session, inherited by the processes it spawns: the leak check below only

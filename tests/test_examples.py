@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,15 +53,22 @@ def test_example_cleans_up_on_signals(sig: signal.Signals) -> None:
         [sys.executable, str(ROOT / "examples" / "tensor_exchange.py"), "--items", "1000000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
         start_new_session=True)  # a signal to its process group, like Ctrl-C in a terminal
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and set(os.listdir("/dev/shm")) <= before:
-        time.sleep(0.1)
-    time.sleep(2)
-    os.killpg(proc.pid, sig)
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    time.sleep(0.5)
-    assert set(os.listdir("/dev/shm")) <= before
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and set(os.listdir("/dev/shm")) <= before:
+            time.sleep(0.1)
+        time.sleep(2)
+        os.killpg(proc.pid, sig)
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        time.sleep(0.5)
+        assert set(os.listdir("/dev/shm")) <= before
+    finally:  # failed: leave no process, and no store for the session's leak check
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/shmstore-example-{proc.pid}")
 
 
 @pytest.mark.slow

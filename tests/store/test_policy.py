@@ -19,6 +19,7 @@ from shmstore.store._policy import (
     make_policy,
 )
 from tests._names import ObjectStore
+from tests.store._stop import Stop, stop_at_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from traces import make_family
@@ -196,10 +197,6 @@ def test_adaptive_is_near_the_better_of_lru_and_freq_where_they_differ_most(
     assert ratio["shm-adaptive"] >= ratio[rival] - 0.006, ratio
 
 
-class _Stop(Exception):
-    pass
-
-
 @pytest.mark.parametrize("policy_name", ["freq", "recency", "adaptive"])
 @pytest.mark.parametrize("where", ["requested", "admitted", "keep", "kept", "evicted"])
 def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
@@ -213,22 +210,13 @@ def test_a_replay_stopped_by_an_exception_at_any_policy_call_keeps_working(
         # the base's no-op (freq's requested(), recency's evicted()): never called
         assert not {"requested": replay._requests, "evicted": replay._evicts}[where]
         return
-    real = getattr(policy, where)
-    calls = [0]
-
-    def once(*args: object) -> object:
-        calls[0] += 1
-        if calls[0] == 3:
-            raise _Stop
-        return real(*args)
-
-    monkeypatch.setattr(policy, where, once)
+    calls = stop_at_call(monkeypatch, policy, where, 3)
     stopped = 0
     for i in range(400):
         key = f"k{i % reused}" if i % 3 else f"once{i}"
         try:
             replay.request(key, 1024)
-        except _Stop:
+        except Stop:
             stopped += 1
     assert stopped == 1 and calls[0] > 3
     used = sum(size for _, size, _ in replay.chunks())

@@ -21,6 +21,7 @@ from shmstore.store._policy import (
     make_policy,
 )
 from tests.store._adaptive_reference import ReferenceAdaptive, ReferenceRingReplay
+from tests.store._stop import Stop, stop_at_call
 
 KIB = 1024
 RIVALS = ("recency", "freq", "reinsert")  # adaptive's layout: recency's long record lowest
@@ -63,10 +64,6 @@ def test_rings_on_one_dict_of_records_replay_as_rings_alone(
     assert set(records) == set().union(*(ring.keys() for ring in shared))
 
 
-class _Stop(Exception):
-    pass
-
-
 # reinsert's hit() is not called here: this trace's hot keys are in all three rings whenever
 # in reinsert's, and a hit in all three takes one step that does not call it
 @pytest.mark.parametrize("shadow, where", [
@@ -85,22 +82,13 @@ def test_a_shadow_stopped_at_any_policy_call_leaves_all_three_working(
         # the base's (reinsert's admitted(), reinsert's and recency's evicted()): not called
         assert not {"admitted": ring._admits, "evicted": ring._evicts}[where]
         return
-    real = getattr(ring.policy, where)
-    calls = [0]
-
-    def once(*args: object) -> object:
-        calls[0] += 1
-        if calls[0] == 5:
-            raise _Stop
-        return real(*args)
-
-    monkeypatch.setattr(ring.policy, where, once)
+    calls = stop_at_call(monkeypatch, ring.policy, where, 5)
     stopped = 0
     for i in range(600):
         key = f"k{i % 7}" if i % 3 else f"once{i}"
         try:
             policy.requested(key, KIB)
-        except _Stop:
+        except Stop:
             stopped += 1
     assert stopped == 1 and calls[0] > 5
     for each in policy._shadows:
