@@ -461,12 +461,11 @@ class AdaptivePolicy(FreqPolicy):
 
     Each rival runs as a shadow `RingReplay` of the store's capacity on every request (keys
     and sizes only); the three keep their records of a key in one int of one dict. The recency
-    shadow's policy is also the one this policy judges its own
-    objects by: one LRU of keys and one clock serve both (the shadow updates the LRU and ticks
-    the clock in `requested`, before the store's `admitted` or `hit` reads the clock; each sees
-    the LRU as the previous request left it when it decides at its tail, as two copies did).
-    Its hits are summed
-    with exponential decay over about `window_requests`; the object at the tail is judged by the
+    shadow's policy is also the one this policy judges its own objects by: one LRU of keys and
+    one clock serve both (the shadow updates the LRU and ticks the clock in `requested`, before
+    the store's `admitted` or `hit` reads the clock; each sees the LRU as the previous request
+    left it when it decides at its tail, as two copies did). Its hits are summed with
+    exponential decay over about `window_requests`; the object at the tail is judged by the
     rule, and the put's copy budget set by the factor, of the rival with the highest sum.
     """
 
