@@ -158,7 +158,26 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
     Raises:
         CorruptObject: any length, offset, dtype or shape that does not fit the body.
     """
+    if expected_crc is None and len(body) >= BODY_HEADER.size:
+        # A body of msgpack's own types only (most queue messages) needs no decoder and no
+        # hook: one unpack. Anything else, an extension or damage, takes the full path below,
+        # which finds the same value or says what is wrong.
+        magic, n_buffers, struct_bytes = BODY_HEADER.unpack_from(body, 0)
+        if magic == BODY_MAGIC and n_buffers == 0 and struct_bytes <= len(body) - BODY_HEADER.size:
+            try:
+                return msgpack.unpackb(body[BODY_HEADER.size:BODY_HEADER.size + struct_bytes],
+                                       ext_hook=_no_extension, raw=False, strict_map_key=False)
+            except Exception:  # an extension or damage: the full path raises what fits
+                pass
     return _unpack(body, _Decoder(body, copy, pin_memory), expected_crc, crc_suffix)
+
+
+def _no_extension(code: int, data: bytes) -> Any:
+    raise _HasExtension
+
+
+class _HasExtension(Exception):
+    """What the short path of decode() raises at an extension: the full path builds it."""
 
 
 def check_body(body: memoryview) -> None:
