@@ -167,9 +167,15 @@ def decode(body: memoryview, *, copy: bool = True, expected_crc: int | None = No
             try:
                 return msgpack.unpackb(body[BODY_HEADER.size:BODY_HEADER.size + struct_bytes],
                                        ext_hook=_no_extension, raw=False, strict_map_key=False)
-            except Exception:  # an extension or damage: the full path raises what fits
+            except (_HasExtension, *_FORMAT_ERRORS):  # the full path builds it or says why not
                 pass
     return _unpack(body, _Decoder(body, copy, pin_memory), expected_crc, crc_suffix)
+
+
+# What unpacking a damaged structure raises: msgpack's format errors (and StackError, for
+# nesting beyond 1024) are ValueErrors; unhashable keys are TypeErrors; numpy/torch reject
+# impossible shapes with the others. Anything else (a signal handler's own exception) goes on up.
+_FORMAT_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, MemoryError, RuntimeError)
 
 
 def _no_extension(code: int, data: bytes) -> Any:
@@ -236,10 +242,7 @@ def _unpack(body: memoryview, dec: _Decoder, expected_crc: int | None,
                               list_hook=dec.list_hook, raw=False, strict_map_key=False)
     except CorruptObject:
         raise
-    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError,
-            RuntimeError) as exc:
-        # msgpack's format errors (and StackError, for nesting beyond 1024) are ValueErrors;
-        # unhashable keys are TypeErrors; numpy/torch reject impossible shapes with the others
+    except _FORMAT_ERRORS as exc:
         raise CorruptObject(f"object structure is not valid: {type(exc).__name__}: "
                             f"{str(exc)[:200]}") from None
     if dec.open_marks:

@@ -263,6 +263,32 @@ def test_mutated_bodies_raise_corrupt_object_or_decode(data: st.DataObject) -> N
         assert len(set(refused)) == 1, refused  # check_body accepts exactly what decode does
 
 
+class _HandlerSaid(Exception):
+    pass
+
+
+def test_an_exception_of_a_signal_handler_during_a_short_decode_goes_on_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a damaged or extended structure sends the short path to the full one: what a
+    signal handler raises while msgpack unpacks (a Python hook runs it) reaches the caller,
+    and is not swallowed by a second, quiet try."""
+    import shmstore.serde._decode as decoding
+
+    real, calls = msgpack.unpackb, [0]
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise _HandlerSaid
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding.msgpack, "unpackb", interrupted)
+    with pytest.raises(_HandlerSaid):
+        decode(memoryview(dumps({"n": 1})))
+    assert calls[0] == 1
+    assert decode(memoryview(dumps({"n": 1}))) == {"n": 1}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_crash(raw: bytes) -> None:
