@@ -577,7 +577,9 @@ def reserve_then_die(fd, name, total):
 seg._reserve = reserve_then_die
 ObjectStore.create({name!r}, capacity_bytes=64 << 20, n_readers=1)
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
+    # the tracker off: as if it was killed together with its writer (what the tools reclaim)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         env={**os.environ, "SHMSTORE_TRACKER": "0"})
     assert out.returncode == 9
     info = [i for i in list_segments() if i.name == name]
     assert info and not info[0].complete and not info[0].writer_alive

@@ -18,7 +18,15 @@ from ..errors import Closed, CorruptObject, Timeout, WriterGone
 from ..serde._codec import decode
 from ..shm._closeable import CallGuard
 from ..shm._readers import MAX_READERS, check_reader_index
-from ..shm._segment import ALIGN_BYTES, KIND_QUEUE, SEGMENT_HEADER, Segment, align_up, peek_header
+from ..shm._segment import (
+    ALIGN_BYTES,
+    KIND_QUEUE,
+    SEGMENT_HEADER,
+    Segment,
+    align_up,
+    on_sweep,
+    peek_header,
+)
 from ..shm._wait import Deadline, Doorbell, checked_wait, deadline_of, wait_until
 from ._layout import (
     CLOSED_UPSTREAM_GONE,
@@ -48,6 +56,8 @@ __all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "QUEUE_
            "SLOT_HEADER", "ROW_READ_SEQ", "ROW_SLEEPING", "META_WRITE_SEQ", "remove_semaphores"]
 
 log = logging.getLogger("shmstore")
+
+on_sweep(KIND_QUEUE, remove_semaphores)  # a dead writer's queue goes with its doorbells
 
 OVERWRITTEN = ("was overwritten while read (a second process uses this reader index, or the "
                "segment was damaged)")

@@ -9,7 +9,9 @@
     _atomic.c      the ordered words and the queue's hand-off compiled (optional; Python
                    paths stand in where it is not built)
     _closeable.py  close() that waits for calls in flight, and the fork check
-    _exit.py       names this process created, unlinked at its exit if it did not
+    _exit.py       names this process created, unlinked at its exit if it did not, and by
+                   its tracker if it ends without exit handlers (a signal, os._exit)
+    _tracker.py    the tracker process (standard library only): unlinks a dead writer's names
 
 May import: errors, _proc.
 """

@@ -8,6 +8,7 @@ and `close()`. Memoryviews from `buf` stay valid until `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -18,6 +19,7 @@ import secrets
 import stat
 import time
 import warnings
+from collections.abc import Callable
 from types import TracebackType
 
 import posix_ipc
@@ -26,6 +28,7 @@ from .._proc import int_arg, pid_alive
 from ..errors import (
     BadMagic,
     InvalidArgument,
+    InvalidName,
     SegmentClosed,
     SegmentExists,
     SegmentNotFound,
@@ -141,6 +144,7 @@ class Segment(Closeable):
         if name is None:
             name = f"shmstore-{secrets.token_hex(6)}"
         validate_name(name)
+        _sweep_once()
         capacity_bytes = int_arg(capacity_bytes, "capacity_bytes", 0, MAX_CAPACITY_BYTES)
         meta_bytes = int_arg(meta_bytes, "meta_bytes", 0, 1 << 30)
         if capacity_bytes % ALIGN_BYTES:
@@ -148,6 +152,7 @@ class Segment(Closeable):
                                   f"{capacity_bytes}", "capacity_bytes", capacity_bytes)
         data_offset = align_up(SEGMENT_HEADER.size + meta_bytes)
         total_bytes = data_offset + capacity_bytes
+        _exit.prepare()
         try:
             shm = _create_exclusive(name, mode)
         except posix_ipc.PermissionsError as exc:
@@ -351,6 +356,62 @@ class Segment(Closeable):
         state = "closed" if self.closed else f"{self.total_bytes} bytes"
         role = "owner" if self.is_owner else "attached"
         return f"<Segment {self.name!r} {KIND_NAMES.get(self.kind, self.kind)}, {role}, {state}>"
+
+
+_SWEEP_EXTRA: dict[int, Callable[[str, int], object]] = {}  # kind -> what else goes with one
+_swept_in = 0  # the pid that swept: once per process (a forked child sweeps again)
+
+
+def on_sweep(kind: int, remove: Callable[[str, int], object]) -> None:
+    """After sweep_dead removes a segment of `kind`, call `remove(name, n_readers)` for what
+    its layer keeps beside it (a queue's doorbells)."""
+    _SWEEP_EXTRA[kind] = remove
+
+
+def sweep_dead() -> list[str]:
+    """Remove every shmstore segment in SHM_DIR whose writer is dead, with what its layer
+    registered (on_sweep); return the names removed. What `shmstore gc` does, quietly: a
+    segment of a live writer, of another user or of no shmstore is never touched.
+
+    The tracker (_exit.py) removes what a dead writer leaves as it dies; this reclaims what
+    it could not (it was killed together with its writer), at the next writer's first create.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if name.startswith("sem."):
+            continue
+        try:
+            validate_name(name)
+        except InvalidName:
+            continue
+        header = peek_header(name)
+        if header is None or pid_alive(header[2]):
+            continue
+        try:
+            gone = _unlink_if_dead(name)
+        except SegmentExists:  # a new writer took the name meanwhile
+            continue
+        if gone:
+            removed.append(name)
+            extra = _SWEEP_EXTRA.get(header[0])
+            if extra is not None:
+                with contextlib.suppress(Exception):
+                    extra(name, header[1])
+    if removed:
+        log.warning("removed %d segment(s) left by dead writers: %s", len(removed),
+                    ", ".join(sorted(removed)))
+    return removed
+
+
+def _sweep_once() -> None:
+    global _swept_in
+    if _swept_in != os.getpid():
+        _swept_in = os.getpid()
+        sweep_dead()
 
 
 def _reserve(fd: int, name: str, total_bytes: int) -> None:

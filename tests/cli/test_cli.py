@@ -19,14 +19,17 @@ def leave_dead_segments(store: str, queue: str) -> None:
     code = ("import os; from shmstore import BroadcastQueue, ObjectStore; "
             f"ObjectStore.create({store!r}, capacity_bytes=1 << 20, n_readers=1); "
             f"BroadcastQueue.create({queue!r}, n_readers=2); os._exit(0)")  # dies without cleanup
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    # the tracker off: as if it was killed together with its writer (gc's case)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "SHMSTORE_TRACKER": "0"})
 
 
 def test_ls_rm_gc() -> None:
     dead_store, dead_queue, live = new_name("dead"), new_name("deadq"), new_name("live")
-    leave_dead_segments(dead_store, dead_queue)
-    assert os.path.exists(f"/dev/shm/sem.{dead_queue}.r1")
     with ObjectStore.create(live, capacity_bytes=1 << 20, n_readers=1):
+        # made after this process's first create, whose sweep would have removed them
+        leave_dead_segments(dead_store, dead_queue)
+        assert os.path.exists(f"/dev/shm/sem.{dead_queue}.r1")
         listing = cli("ls").stdout
         rows = {line.split()[0]: line for line in listing.splitlines()[1:]}
         assert "dead" in rows[dead_store] and "object store" in rows[dead_store]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from typing import Any
 
@@ -54,8 +55,11 @@ def reader(channel: str, index: int, out_path: str, idle_s: float) -> None:
                 ok = value == {"i": value["i"], "note": "inline", "pad": bytes(value["i"] % 500)}
                 bad += not ok
                 received.append(["i", value["i"]])
-    with open(out_path, "w") as f:
+    # written whole under another name, then renamed: the test polls for out_path and must
+    # never read a half-written file
+    with open(out_path + ".part", "w") as f:
         json.dump({"received": received, "bad": bad, "how": how}, f)
+    os.replace(out_path + ".part", out_path)
 
 
 def writer(channel: str, n_readers: int, plan: list[Any], ready_path: str,

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from shmstore import Channel, dumps
+from tests._waiting import wait_for
 from tests.conftest import new_name
 from tests.relay._tcp_proxy import TcpProxy
 
@@ -42,14 +43,6 @@ def make_plan(n: int, n_keys: int, seed: int) -> list[int | None]:
 
 def expected(plan: list[int | None]) -> list[list[Any]]:
     return [["i", i] if key is None else ["k", key] for i, key in enumerate(plan)]
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Cluster:
@@ -133,8 +126,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def result(path: str, timeout: float = 120) -> dict[str, Any]:
-    wait_for(lambda: os.path.exists(path), timeout, f"{path}")
-    time.sleep(0.05)
+    wait_for(lambda: os.path.exists(path), timeout, f"{path}")  # renamed into place whole
     data: dict[str, Any] = json.loads(Path(path).read_text())
     return data
 

@@ -1,10 +1,14 @@
-"""A writer whose process exits without close(), normally or on an uncaught exception, leaves
-nothing in /dev/shm; a forked child never unlinks its parent's names; a name another writer
-took over is left alone; SIGKILL still leaves the segment, which `Segment.remove_stale` (as
-`shmstore gc` and the next create do) reclaims. Each writer runs in a fresh interpreter."""
+"""A writer whose process ends without close(), however it ends, leaves nothing in /dev/shm:
+exit handlers cover a normal exit or an uncaught exception, the tracker process covers SIGTERM,
+SIGHUP, SIGKILL and os._exit (also when the host kills its whole process tree or group, forks
+children that live on, or closes the tracker's pipe and reuses its fd number), and the next
+writer's first create sweeps what a tracker killed with its writer could not remove. A forked
+child never unlinks its parent's names; a name another writer took over is left alone. Each
+writer runs in a fresh interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._names import Segment
+from tests._waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 SHM = Path("/dev/shm")
@@ -85,23 +90,186 @@ def test_a_name_another_writer_took_over_is_left_alone(name: str) -> None:
         (SHM / name).unlink(missing_ok=True)
 
 
-def test_sigkill_leaves_the_segment_for_gc_to_reclaim(name: str) -> None:
-    script = (f"import sys, time\nNAME = {name!r}\n{MAKE['store']}\n"
-              "print('ready', flush=True)\ntime.sleep(60)\n")
+def start_writer(name: str, body: str, env: dict[str, str] | None = None
+                 ) -> subprocess.Popen[str]:
+    """A writer process that runs `body` (NAME is the name), prints 'ready' and sleeps."""
+    script = (f"import os, sys, time\nNAME = {name!r}\n{textwrap.dedent(body)}\n"
+              "print('ready', flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of a live process `pid`; None if it is gone or a zombie."""
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[1])
+
+
+def trackers_of(pid: int) -> list[int]:
+    """Pids of the live tracker processes of writer `pid` (the first of the two forks too,
+    until it has exited)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (any(arg.endswith(b"_tracker.py") for arg in cmdline) and str(pid).encode() in cmdline
+                and parent_of(int(entry)) is not None):
+            found.append(int(entry))
+    return found
+
+
+def wait_gone(name: str, timeout_s: float = 30) -> None:
+    wait_for(lambda: left(name) == [], timeout_s, f"the tracker to remove {left(name)}")
+
+
+@pytest.mark.parametrize("ending", ["SIGTERM", "SIGHUP", "SIGKILL", "os._exit"])
+@pytest.mark.parametrize("kind", list(MAKE))
+def test_a_writer_killed_by_a_signal_or_os_exit_leaves_nothing(name: str, kind: str,
+                                                               ending: str) -> None:
+    if ending == "os._exit":
+        done = run(name, f"{MAKE[kind]}\nos._exit(0)")
+        assert done.returncode == 0, done.stderr
+    else:
+        proc = start_writer(name, MAKE[kind])
+        try:
+            assert left(name)  # a segment, and a queue's doorbells
+            os.kill(proc.pid, getattr(signal, ending))  # no handler: the default action
+            assert proc.wait(30) == -getattr(signal, ending)
+        finally:
+            stop(proc)
+    wait_gone(name)
+
+
+def test_the_tracker_outlives_its_writers_process_group_and_process_tree(name: str) -> None:
+    """What a terminal, `kill -- -PGID` or vLLM's kill_process_tree (SIGKILL to every
+    descendant, then the process) do to a writer and what it started."""
+    proc = start_writer(name, MAKE["channel"] + "\nos.setpgid(0, 0)")
+    try:
+        # one tracker, and no child of the writer: a tree kill cannot reach it
+        wait_for(lambda: len(trackers := trackers_of(proc.pid)) == 1
+                 and parent_of(trackers[0]) != proc.pid, 30, "the tracker to leave the tree")
+        descendants = [int(p) for p in os.listdir("/proc")
+                       if p.isdigit() and parent_of(int(p)) == proc.pid]
+        os.killpg(proc.pid, signal.SIGTERM)
+        for pid in descendants:
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGTERM
+    finally:
+        stop(proc)
+    wait_gone(name)
+    wait_for(lambda: trackers_of(proc.pid) == [], 30, "the tracker to exit")
+
+
+def test_a_forked_child_that_lives_on_does_not_keep_its_dead_parents_segment(
+        name: str, tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    proc = start_writer(name, MAKE["store"] + "\nchild = os.fork()\nif child == 0:\n"
+                              "    time.sleep(120)\n    os._exit(0)\n"
+                              f"Path = __import__('pathlib').Path\n"
+                              f"Path({str(pid_file) + '.part'!r}).write_text(str(child))\n"
+                              f"os.replace({str(pid_file) + '.part'!r}, {str(pid_file)!r})")
+    child = int(pid_file.read_text())
+    try:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        assert left(name) == [name]  # no exit handler ran
-        deadline = time.monotonic() + 10
-        while not Segment.remove_stale(name) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the dead writer's pid is gone once it is reaped
-        assert left(name) == []
+        wait_gone(name)  # while the child, which inherited the tracker's pipe, still runs
+        assert Path(f"/proc/{child}").exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        stop(proc)
+
+
+def test_a_host_that_closes_the_trackers_pipe_and_reuses_its_fd_loses_nothing(
+        name: str, tmp_path: Path) -> None:
+    """A daemon that closes every fd it did not open, then opens a file that gets the
+    tracker's fd number: shmstore never writes into that file, and a new tracker takes over
+    every name the process owns."""
+    mine = tmp_path / "mine.txt"
+    proc = start_writer(name, f"""
+        from shmstore import ObjectStore
+        a = ObjectStore.create(NAME, capacity_bytes=1 << 20, n_readers=1)
+        os.closerange(3, 1024)  # the tracker's pipe among them
+        f = open({str(mine)!r}, "w")  # takes the lowest free fd: the pipe's number
+        b = ObjectStore.create(NAME + "-b", capacity_bytes=1 << 20, n_readers=1)
+        f.flush()
+    """)
+    try:
+        assert sorted(left(name)) == [name, name + "-b"]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        stop(proc)
+    wait_gone(name)
+    assert mine.read_text() == ""
+
+
+def test_segments_a_tracker_killed_with_its_writer_left_go_at_the_next_writers_create(
+        name: str) -> None:
+    """SIGKILL to the writer and its tracker (here: a writer that ran without one) leaves the
+    segment; the next writer on the node removes it at its first create, and so does
+    Segment.remove_stale (`shmstore gc`)."""
+    for how in ("next create", "remove_stale"):
+        proc = start_writer(name, MAKE["channel"], env={"SHMSTORE_TRACKER": "0"})
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            stop(proc)
+        assert len(left(name)) == 4  # the store, the queue and the queue's 2 doorbells
+        if how == "remove_stale":
+            assert Segment.remove_stale(name + ".store") and Segment.remove_stale(name + ".queue")
+            assert left(name) == [f"sem.{name}.queue.r0", f"sem.{name}.queue.w"]
+            for sem in left(name):
+                (SHM / sem).unlink()  # what `shmstore gc` does beside remove_stale
+        else:
+            done = run(name + "-next", MAKE["store"])  # another name: a new process's create
+            assert done.returncode == 0, done.stderr
+            assert "removed 2 segment(s) left by dead writers" in done.stderr
+        assert left(name) == []
+
+
+@pytest.mark.slow
+def test_a_hundred_writers_killed_in_a_loop_leave_nothing(name: str) -> None:
+    """Restarts, as a crash-looping service makes them: each writer killed at a random point
+    of its life with SIGTERM, SIGHUP or SIGKILL."""
+    import random
+
+    rng = random.Random(45)
+    body = (MAKE["channel"] + "\nprint('ready', flush=True)\n"
+            "time.sleep(float(sys.argv[1]))\n")
+    for i in range(100):
+        sig = rng.choice([signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+        script = f"import os, sys, time\nNAME = {name + '-' + str(i)!r}\n{body}"
+        proc = subprocess.Popen([sys.executable, "-c", script, "60"], stdout=subprocess.PIPE,
+                                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            assert proc.stdout is not None
+            if rng.random() < 0.5:  # once it has made everything, or while it is making it
+                assert proc.stdout.readline().strip() == "ready"
+            else:
+                time.sleep(rng.uniform(0.0, 0.3))
+            proc.send_signal(sig)
+            proc.wait(30)
+        finally:
+            stop(proc)
+    # A kill that lands between a create and its one write() to the tracker is caught by the
+    # next writer's first create: one more start, as the service's next restart would be.
+    done = run(name + "-next", MAKE["store"])
+    assert done.returncode == 0, done.stderr
+    wait_gone(name, 60)

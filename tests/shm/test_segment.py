@@ -92,7 +92,9 @@ def _leave_stale(name: str) -> None:
         f"Segment.create({name!r}, kind=KIND_RING, capacity_bytes=4096); "
         "os._exit(0)"  # dies without unlinking (no exit handler runs, as after SIGKILL)
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    # the tracker off: as if it was killed together with its writer (what it would reclaim)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "SHMSTORE_TRACKER": "0"})
 
 
 def test_a_new_writer_takes_over_the_segment_of_a_dead_one(

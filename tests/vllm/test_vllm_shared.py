@@ -21,6 +21,7 @@ from shmstore.vllm import _install  # noqa: E402
 from shmstore.vllm._items import handle_from_item, handout_number  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
+from tests._waiting import wait_for  # noqa: E402
 from tests.vllm.test_vllm_plugin import config, image_item, over_the_wire, same_item  # noqa: E402
 
 MB = 1 << 20
@@ -107,7 +108,10 @@ def test_a_hand_out_is_owed_only_by_the_engine_its_request_went_to(node: Any) ->
     for mm_hash, (out, engine) in outs.items():
         owed = [0, 0]
         owed[engine] = 1
-        assert first.store.unread(handle_from_item(out)) == tuple(owed)
+        # API server 1's narrow is posted (no reply on the routing path): wait for it to land
+        handle, want = handle_from_item(out), tuple(owed)
+        wait_for(lambda h=handle, w=want: first.store.unread(h) == w, 30,
+                 f"the narrow of {mm_hash!r} to engine {engine}")
         read(receivers[engine], f"req-{mm_hash}", out, mm_hash)
         assert first.store.unread(handle_from_item(out)) == (0, 0)
 

@@ -1,0 +1,109 @@
+"""The tracker: a small process that unlinks what its writer process left in /dev/shm when that
+process ends without unlinking it, however it ends (SIGTERM, SIGHUP, SIGKILL, os._exit, a
+crash, a failed start).
+
+_exit.py starts one per writer process, the first time the process creates a name, as
+`python -I -S _tracker.py WRITER_PID WRITER_START` with the read end of a pipe as its stdin; this file imports
+the standard library only (no shmstore, no site-packages), so it starts in milliseconds. It
+forks once and the first process exits (the writer reaps it in a thread): the tracker is then no child of
+its writer, so a host that kills its own process tree on shutdown (vLLM's kill_process_tree
+sends SIGKILL to every descendant) does not kill the tracker with it. The writer writes one
+line per change, each in one write() (a pipe writes up to PIPE_BUF bytes whole, so a line is
+never torn by a signal):
+
+    +INODE PATH      PATH (a segment or a semaphore's file) was created with inode INODE
+    -PATH            PATH was unlinked by its owner, or handed on: forget it
+
+The pipe ends when every copy of its write end is closed: at the writer's exit, whatever ends
+it (a forked child closes its inherited copy at once). The tracker then waits until its writer
+is really gone (its pid and the start time it gave, so a reused pid cannot fool it; a writer
+that closed the pipe by mistake keeps its names until it exits), and unlinks every name still
+listed whose file is still the one the writer created (same inode: a name another writer took
+over since is left alone). It says what it removed on stderr, which it shares with its
+writer (a server's log).
+
+It runs in a session of its own and ignores SIGINT, SIGTERM and SIGHUP, so the signals that stop
+its writer's process group (Ctrl-C, a terminal hang-up, `kill -- -PGID`, systemd's first
+SIGTERM to a service's processes) do not stop it before it has cleaned up; it exits as soon as
+it has. Only what kills it together with its writer (SIGKILL to both) leaves names behind: the
+next writer on the node removes those (sweep_dead in _segment.py) and `shmstore gc` does on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import time
+
+WRITER_POLL_S = 0.2  # how often a tracker whose pipe ended checks that its writer is gone
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process `pid` (clock ticks after boot), None if it is gone or a
+    zombie (a process killed and not yet reaped holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        if fields[0] in (b"Z", b"X"):
+            return None
+        return int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _parse(line: bytes, owned: dict[bytes, int]) -> None:
+    """Apply one line of the pipe to `owned` (path -> inode); ignore what is not a line."""
+    line = line.rstrip(b"\n")
+    if line.startswith(b"+"):
+        inode, _, path = line[1:].partition(b" ")
+        if inode.isdigit() and path.startswith(b"/"):
+            owned[path] = int(inode)
+    elif line.startswith(b"-"):
+        owned.pop(line[1:], None)
+
+
+def _unlink_left(owned: dict[bytes, int], writer: int) -> None:
+    for path, inode in owned.items():
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_ino != inode:
+                continue  # gone, or another writer's now
+            os.unlink(path)
+        except OSError:
+            continue
+        sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
+                         f"{os.fsdecode(path)} ({st.st_size} bytes): removed\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str]) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    writer, started = int(argv[1]), int(argv[2])
+    if os.fork():
+        os._exit(0)  # reaped by the writer; the tracker goes on, no longer its child
+    owned: dict[bytes, int] = {}
+    pending = b""
+    while True:
+        try:
+            data = os.read(0, 65536)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+            continue
+        except OSError:
+            break
+        if not data:
+            break
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            _parse(line, owned)
+    while _start_time(writer) == started:
+        time.sleep(WRITER_POLL_S)  # the pipe closed, but its writer lives on
+    _unlink_left(owned, writer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
