@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..errors import ReaderIndexError, StaleHandle
+from .._proc import int_arg
+from ..errors import StaleHandle
 from ..handle import Handle
 from ..shm._ordering import Words
+from ..shm._readers import check_reader_index
 from ._index import Entry, Index
 from ._space import Space
 
@@ -34,6 +36,8 @@ class HandOuts:
 
     def give_back(self, handle: Handle, number: int | None = None) -> None:
         """Take back hand-out `number` of `handle` (else its last); StoreWriter.give_back says more."""
+        if number is not None:
+            number = int_arg(number, "number", -(1 << 63), (1 << 64) - 1)
         entry = self._handed_out(handle)
         if number is not None and number not in entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out number {number} to give back in "
@@ -48,18 +52,19 @@ class HandOuts:
 
     def narrow(self, handle: Handle, number: int, readers: Iterable[int]) -> None:
         """Owe hand-out `number` of `handle` only by `readers`; StoreWriter.narrow says more."""
+        number = int_arg(number, "number", -(1 << 63), (1 << 64) - 1)
         entry = self.live_entry(handle)
         mask = 0
         for r in readers:
-            if type(r) is not int or not 0 <= r < self.n_readers:
-                raise ReaderIndexError(f"reader {r!r} is not a reader index of store "
-                                       f"{self.name!r} (0..{self.n_readers - 1})", r,
-                                       self.n_readers)
-            mask |= 1 << r
+            mask |= 1 << check_reader_index(r, self.n_readers, f"store {self.name!r}")
         if number not in entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out number {number} in store "
                               f"{self.name!r}", handle, self.name)
-        entry.narrowed[number] = mask
+        with self._index.lock:  # a scrape sees the new mask with the entry listed
+            # listed again: a scrape may have found the hand-out read by its old readers
+            # and unlisted the entry, and a wider mask can owe reads again
+            self._index.handed_out(entry)
+            entry.narrowed[number] = mask
 
     def end_handouts(self, groups: Iterable[tuple[Handle, Iterable[int]]]) -> list[bool]:
         """Mark hand-outs over; StoreWriter.end_handouts says more."""

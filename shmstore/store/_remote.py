@@ -28,6 +28,7 @@ from ..errors import (
 from ..handle import Handle, check_key
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
+from ..shm._readers import check_reader_index
 from ..shm._ring import ShmRingBuffer
 from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline
@@ -251,7 +252,10 @@ class RemoteWriter(Closeable):
     def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
                wait: bool = True) -> None:
         """As StoreWriter.narrow; wait=False as in give_back (narrowing late is safe: until
-        then every reader owes the hand-out)."""
+        then every reader owes the hand-out). Readers are checked here, as the local writer
+        checks them (ReaderIndexError), before anything is sent."""
+        readers = [check_reader_index(r, self.n_readers, f"store {self.name!r}")
+                   for r in readers]
         if wait:
             self._call("narrow", handle, number, readers)
         else:

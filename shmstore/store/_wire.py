@@ -40,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from .._proc import int_arg
 from ..errors import (
     InvalidArgument,
     InvalidHandle,
@@ -251,10 +252,19 @@ _FROM_WIRE: dict[str, Callable[[Any], Any]] = {
     FLAG: _flag,
     FIELD: _field,
 }
+def _number_out(value: Any) -> int:
+    """A number the caller passed, as the wire carries it: a bool, a float or a str is the
+    caller's mistake, refused here (InvalidArgument, as the local writer refuses it) rather
+    than sent for the host to drop the connection over; numpy ints go as ints."""
+    return int_arg(value, "number", -(1 << 63), (1 << 64) - 1)
+
+
 _TO_WIRE: dict[str, Callable[[Any], Any]] = {
     HANDLE: handle_to_wire,
     KEYS: list,
-    NUMBERS: list,
+    NUMBER: _number_out,
+    MAYBE_NUMBER: lambda v: None if v is None else _number_out(v),
+    NUMBERS: lambda values: [_number_out(v) for v in values],
     GROUPS: lambda groups: [[handle_to_wire(h), list(n)] for h, n in groups],
     FLAG: bool,
 }

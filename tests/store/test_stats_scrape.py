@@ -173,3 +173,21 @@ def test_a_scrape_looks_only_at_what_was_handed_out_since_the_last(name: str) ->
         for reader in readers:
             reader.close()
         writer.close()
+
+
+def test_narrowing_a_read_hand_out_to_more_readers_shows_in_the_next_scrape(name: str) -> None:
+    """A scrape that found a narrowed hand-out read by its one reader unlists the entry; a
+    later narrow to more readers makes it owed again, and the next scrape must say so (it
+    said (0, 0) while unread() and a put's wait said (0, 1))."""
+    with ObjectStore.create(name, n_readers=2, capacity_bytes=64 << 10) as writer, \
+            ObjectStore.attach(name, reader=0) as reader, \
+            ObjectStore.attach(name, reader=1):  # attached: no recount for a reader never seen
+        handle = writer.put("k", b"x" * 100)
+        number = writer._handouts.seq
+        writer.narrow(handle, number, [0])
+        reader.get(handle)
+        assert writer.stats().reader_lag == (0, 0)  # read: unlisted
+        writer.narrow(handle, number, [0, 1])
+        assert writer.unread(handle) == (0, 1)
+        assert writer.stats().reader_lag == (0, 1)
+        _check(writer)

@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -32,6 +33,7 @@ from tests._names import (
     StaleHandle,
     StoreFull,
 )
+from tests._waiting import wait_for
 
 KIB = 1024
 
@@ -206,10 +208,14 @@ def test_posted_calls_run_in_order_and_fail_quietly(hosted, caplog) -> None:
     client.give_back(handle, put, wait=False)
     client.give_back(handle, put, wait=False)  # a second time: stale, logged at debug only
     assert client.unread(handle) == (1, 1) and host.post_errors == 0
-    client.narrow(handle, client.handout_seq, [5], wait=False)  # no such reader: counted
-    assert client.is_cached("a") and host.post_errors == 1  # the connection goes on
+    sock = _raw(writer)  # a client that does not check what it posts: no such reader
+    frame = msgpack.packb(["post", "narrow", _wire.handle_to_wire(handle), client.handout_seq,
+                           [5]])
+    sock.sendall(struct.pack("<I", len(frame)) + frame)
+    wait_for(lambda: host.post_errors == 1, 30, "the host to count the failed post")
+    assert client.is_cached("a")  # the connection goes on
     assert "posted narrow failed" in caplog.text
-    sock = _raw(writer)  # only give_back and narrow may be posted
+    # only give_back and narrow may be posted
     frame = msgpack.packb(["post", "clear", False])
     sock.sendall(struct.pack("<I", len(frame)) + frame)
     assert sock.recv(1 << 16) == b""  # dropped
@@ -257,6 +263,33 @@ def test_bad_arguments_get_an_error_reply_not_a_drop(hosted) -> None:
     with pytest.raises(StaleHandle):
         client.hand_out(forged)
     assert client.is_cached("a")
+
+
+@pytest.mark.parametrize("wait", [True, False])
+@pytest.mark.parametrize(("readers", "number", "error"), [
+    ([True], None, ReaderIndexError),  # a bool is no reader index, though True == 1
+    ([5], None, ReaderIndexError),
+    ([-1], None, ReaderIndexError),
+    (["0"], None, ReaderIndexError),
+    ([1.0], None, ReaderIndexError),
+    ([0], True, InvalidArgument),
+    ([0], "1", InvalidArgument),
+    ([0], 1.0, InvalidArgument),
+])
+def test_bad_narrow_arguments_raise_as_the_local_writer_does_and_keep_the_connection(
+        hosted, readers: list, number: Any, error: type, wait: bool) -> None:
+    writer, host, client, _, _ = hosted
+    handle = client.put("a", blob(1))
+    good = client.handout_seq
+    for who in (writer, client):
+        with pytest.raises(error):
+            if who is writer:
+                writer.narrow(handle, good if number is None else number, readers)
+            else:
+                client.narrow(handle, good if number is None else number, readers, wait=wait)
+    assert client.is_cached("a") and host.post_errors == 0  # refused before it was sent
+    client.narrow(handle, good, [1])
+    assert client.unread(handle) == (0, 1)
 
 
 def test_another_user_is_refused(hosted, name: str, monkeypatch: pytest.MonkeyPatch) -> None:

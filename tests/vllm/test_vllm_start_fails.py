@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from tests._waiting import wait_for  # noqa: E402
-from tests.conftest import new_name  # noqa: E402
-from tests.vllm.tiny_llava import build  # noqa: E402
+from tests._waiting import wait_for
+from tests.conftest import new_name
+from tests.vllm.tiny_llava import build
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 SHMSTORE = Path(sys.executable).with_name("shmstore")
