@@ -43,6 +43,7 @@ from ._env import LOG_NAME
 from ._items import (
     handle_from_item,
     handle_item,
+    handout_number,
     item_to_value,
     object_id_from_item,
 )
@@ -309,9 +310,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         handle = handle_from_item(mm_item)
         if handle is None:
             return
+        number = handout_number(mm_item)
         with self._lock:
+            # the worker's checks, made here first: the handle the store holds for mm_hash,
+            # the object's id, and a hand-out number the store has made
             issued = (handle == self._store.handle_of(mm_hash)
-                      and object_id_from_item(mm_item) == self._store.object_id(mm_hash))
+                      and object_id_from_item(mm_item) == self._store.object_id(mm_hash)
+                      and number is not None and 0 < number <= self._store.handout_seq)
         if not issued:
             raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
                              "server did not issue for it (forged, stale or from another "

@@ -271,6 +271,12 @@ def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: An
     forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
     with pytest.raises(ValueError, match="did not issue"):
         sender.validate_input_item(forged, "h5")
+    for number in (0, words[6] + (1 << 40)):  # a hand-out the store never made: the worker
+        words = list(out[HANDLE_FIELD].data)  # refuses it, and so does the API server
+        words[6] = number
+        forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
+        with pytest.raises(ValueError, match="did not issue"):
+            sender.validate_input_item(forged, "h5")
     for bad in ([1, 2, 3], [1, 2, 3, 4, -5], "x", [1, 2, 3, 4, 2**64]):
         junk = MultiModalKwargsItem({HANDLE_FIELD: MultiModalFieldElem(
             data=bad, field=out[HANDLE_FIELD].field)})

@@ -167,6 +167,10 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
     assert code == 400 and "Failed to load image" in message
     (code, _), = story["failing url"]
     assert code >= 400
+    # vLLM's uuid contract, kept: a uuid the node holds names its content, so bytes sent under
+    # it are not decoded (here a corrupt JPEG, which vLLM alone refuses with a 400): the client
+    # gets the stored item's answer (docs/vllm.md says so)
+    assert said(server, jpeg_part(73, truncated=True, uuid="photo-74")) in story["uuid only"]
     for _ in range(30):  # the first JPEG until the other API server has a hit on it too
         if server.metric("shmstore_vllm_skipped_total", what="processor") > skipped:
             break
