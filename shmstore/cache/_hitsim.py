@@ -31,7 +31,7 @@ from ..store._policy import EvictionPolicy, RingReplay, make_policy
 from ._caches import CACHE_KINDS, ReceiverCache, SenderCache, _LruBytes
 
 __all__ = ["SimStats", "RingSim", "LruSim", "make_sim", "replay", "replay_split", "route_index",
-           "real_hits", "SIM_KINDS", "working_set_bytes", "write_csv"]
+           "real_hits", "SIM_KINDS", "one_size_per_key", "working_set_bytes", "write_csv"]
 
 SIM_KINDS = CACHE_KINDS  # every cache kind replays
 
@@ -250,11 +250,28 @@ def real_hits(kind: str, trace: Iterable[tuple[str, int]], capacity_bytes: int,
 
 def working_set_bytes(trace: Iterable[tuple[Hashable, int]]) -> int:
     """The bytes of every distinct item at its largest size in the trace."""
+    return sum(_largest(trace).values())
+
+
+def _largest(trace: Iterable[tuple[Hashable, int]]) -> dict[Hashable, int]:
     largest: dict[Hashable, int] = {}
     for key, nbytes in trace:
         if nbytes > largest.get(key, -1):
             largest[key] = nbytes
-    return sum(largest.values())
+    return largest
+
+
+def one_size_per_key(trace: list[tuple[Hashable, int]]) -> tuple[list[tuple[Hashable, int]], int]:
+    """(the trace with each key at its largest size, how many keys had more than one size).
+
+    A key names one content, so a cache hit is the value stored whatever size a trace gives
+    it now; a trace whose sizes vary for a key (rounding, a log of another field) is replayed
+    at one size per key, so that the replay and the real caches charge the same bytes."""
+    largest = _largest(trace)
+    changed = {key for key, nbytes in trace if nbytes != largest[key]}
+    if not changed:
+        return trace, 0
+    return [(key, largest[key]) for key, _ in trace], len(changed)
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:

@@ -44,6 +44,7 @@ from ..cache._hitsim import (
     SIM_KINDS,
     SimStats,
     make_sim,
+    one_size_per_key,
     real_hits,
     replay,
     replay_split,
@@ -193,6 +194,7 @@ def _run(args: argparse.Namespace) -> int:
                            routes)
         if not trace:
             raise TraceError(f"{args.trace}: no requests")
+        trace, resized = one_size_per_key(trace)
         working_set = working_set_bytes(trace)
         budgets = parse_budgets(args.budgets, working_set)
     except (TraceError, OSError) as exc:
@@ -203,6 +205,9 @@ def _run(args: argparse.Namespace) -> int:
     target = args.target if args.target is not None else 0.9 * infinite
     print(f"{args.trace}: {len(trace):,} requests, {unique:,} items, working set "
           f"{format_size(working_set)}, unbounded cache {infinite:.1%}; {args.workers} workers")
+    if resized:
+        print(f"{resized:,} items have more than one size in the trace: each is replayed at its "
+              "largest (a key names one content, and a hit is the value stored)")
     t0 = time.perf_counter()
     update, done = _progress_bar(len(trace), args.no_progress, "replaying")
     try:

@@ -517,8 +517,14 @@ class AdaptivePolicy(FreqPolicy):
             return
         freq, reinsert, recency = self._shadows
         decay = self._decay
-        found = (freq.request(key, chunk_bytes), reinsert.request(key, chunk_bytes),
-                 recency.request(key, chunk_bytes))
+        if chunk_bytes <= freq.capacity_bytes:
+            found = (freq.request(key, chunk_bytes), reinsert.request(key, chunk_bytes),
+                     recency.request(key, chunk_bytes))
+        else:  # a hit whose size grew past the ring (a replay's trace): a miss where a shadow
+            # does not hold it, and nothing to admit, as the cache it shadows would not
+            found = (key in freq and freq.request(key, chunk_bytes),
+                     key in reinsert and reinsert.request(key, chunk_bytes),
+                     key in recency and recency.request(key, chunk_bytes))
         scores = self._scores = [self._scores[0] * decay + found[0],
                                  self._scores[1] * decay + found[1],
                                  self._scores[2] * decay + found[2]]

@@ -293,3 +293,45 @@ def test_the_check_takes_a_hit_as_the_value_stored_whatever_size_the_trace_asks_
     """A trace may give one key several sizes; the real cache then returns what it stored."""
     trace = [("a", 1000), ("b", 500), ("a", 3000), ("a", 200), ("b", 500)]
     assert real_hits("shm-fifo", trace, 1 << 20, 2) == [False, False, True, True, True]
+
+
+def _resizing_trace(seed: int, n: int = 3000) -> list[tuple[str, int]]:
+    """Zipf-like keys whose sizes vary, one in fifty 3 MB (more than the small rings)."""
+    import random
+
+    rng = random.Random(seed)
+    return [(f"k{int(rng.paretovariate(1.0)) % 40}",
+             rng.choice([50_000, 150_000, 300_000]) if rng.random() > 0.02 else 3_000_000)
+            for _ in range(n)]
+
+
+def test_a_ring_replay_survives_a_hit_whose_size_grew_past_the_ring() -> None:
+    """adaptive's shadows were asked to admit a chunk larger than their ring (InvalidArgument:
+    'a chunk of 3000192 bytes cannot go in a ring of 2000000 bytes')."""
+    from shmstore.cache._hitsim import RingSim
+
+    for seed in range(4):
+        sims = [RingSim(kind.removeprefix("shm-"), 2_000_000, 2) for kind in SIM_KINDS
+                if kind.startswith("shm-")]
+        for key, nbytes in _resizing_trace(seed):
+            for sim in sims:
+                sim.request(key, nbytes)
+        assert all(sim.stats().requests == 3000 for sim in sims)
+
+
+@pytest.mark.parametrize("verify", ["0", "300"])
+def test_a_trace_whose_sizes_vary_per_key_replays_and_verifies(tmp_path: Path,
+                                                               verify: str) -> None:
+    """It crashed (rc 1, nothing written): InvalidArgument from adaptive's shadows, or the
+    check's 'please report this' (the real cache charges a hit the size it stored)."""
+    path = tmp_path / "t.csv"
+    path.write_text("time,key,bytes\n" + "".join(f"{i},{k},{n}\n"
+                                                 for i, (k, n) in enumerate(_resizing_trace(1))))
+    done = hitrate(str(path), "--out", str(tmp_path), "--verify", verify,
+                   "--budgets", "2%,10%,40%", "--frontends", "2")
+    assert done.returncode == 0, done.stderr
+    assert "items have more than one size in the trace: each is replayed at its largest" in \
+        done.stdout
+    assert (tmp_path / "hitrate.csv").exists()
+    if verify != "0":
+        assert "verified: the first 300 requests" in done.stdout
