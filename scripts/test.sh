@@ -7,4 +7,4 @@ scripts/setup.sh
 .venv/bin/python -m ruff check shmstore tests bench examples fuzz
 .venv/bin/python -m mypy
 scripts/docs.sh build
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=25 "$@"  # the 25 slowest tests, listed at the end

@@ -7,8 +7,9 @@
   read or write files of their own (keygen, hitrate on a small trace in the empty folder), and
   otherwise go through the real command-line parser; `scripts/*.sh` must exist and be
   executable; `pip install` may only name extras the package has and the vLLM versions the
-  tests ran; `vllm serve` flags must be flags of the installed vLLM's parser; the inner-loop
-  pytest command must select the number of tests the README says. A command no rule knows
+  tests ran; `vllm serve` flags must be flags of the installed vLLM's parser; a pytest command
+  must collect tests, and a marker selection must leave some out. A `python` block's
+  `# prints: TEXT` lines must be in what it prints. A command no rule knows
   fails the test, so a new kind of command needs a rule here.
 - `text` blocks are output or drawings, `yaml` blocks must parse, and any other language fails.
 
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
          *sorted((ROOT / "docs").rglob("*.md"))]
 TITLE = re.compile(r'title="([^"]+)"')
+PRINTS = re.compile(r"^# prints: (.+)$", re.MULTILINE)
 SHM = "/dev/shm"
 
 
@@ -95,6 +97,8 @@ def _run_python(path: Path, cwd: Path) -> None:
     proc = subprocess.run([sys.executable, path.name], cwd=cwd, capture_output=True, text=True,
                           timeout=90, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout}\n{proc.stderr}"
+    for said in PRINTS.findall(path.read_text()):  # what the block says it prints, it prints
+        assert said.strip() in proc.stdout, f"{path.name} should print {said!r}:\n{proc.stdout}"
     left = _shm() - before
     assert not left, f"{path.name} left {sorted(left)} in /dev/shm"
 
@@ -169,8 +173,9 @@ def _check_shmstore(argv: list[str], cwd: Path) -> None:
 
 
 def _check_pytest(argv: list[str]) -> None:
-    """Collects what the command selects: at least one test, and for the inner loop (`-m`) the
-    number the README says."""
+    """Collects what the command selects: at least one test, and for a marker selection (`-m`,
+    the inner loop) some tests left out as well (the docs give lanes no counts: they would go
+    stale with every test added)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *argv[3:]],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:]
@@ -178,12 +183,7 @@ def _check_pytest(argv: list[str]) -> None:
         return
     selected = re.search(r"(\d+)/(\d+) tests collected", proc.stdout)
     assert selected, proc.stdout[-2000:]
-    said = re.search(r"# ([\d,]+) of ([\d,]+) tests", (ROOT / "README.md").read_text())
-    assert said, "the README no longer says how many tests the inner loop runs"
-    printed = tuple(int(n.replace(",", "")) for n in said.groups())
-    assert printed == (int(selected.group(1)), int(selected.group(2))), (
-        f"the README says {printed[0]} of {printed[1]} tests; pytest selects "
-        f"{selected.group(1)} of {selected.group(2)}: update the README")
+    assert 0 < int(selected.group(1)) < int(selected.group(2)), proc.stdout[-2000:]
 
 
 @functools.cache

@@ -65,28 +65,49 @@ DEFAULT_KIND = "shm-adaptive"  # the caches' default, and the docs' recommendati
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="the trace file (csv or oracleGeneral)")
-    parser.add_argument("--format", choices=("csv", "oracleGeneral"), default=None)
+    parser.add_argument("--format", choices=("csv", "oracleGeneral"), default=None,
+                        help="the trace's format (default: guessed from its name and first bytes)")
     parser.add_argument("--columns", default=None,
-                        help="csv columns, 1-based: time=1,key=2,bytes=3 (time=0: none)")
+                        help="csv columns, 1-based (default: time=1,key=2,bytes=3; time=0: none)")
     parser.add_argument("--delimiter", default=None, help="csv delimiter (default: guessed)")
     parser.add_argument("--budgets", default=DEFAULT_BUDGETS,
-                        help="cache sizes: percents of the working set or sizes (512MiB, 4GiB)")
-    parser.add_argument("--kinds", default=",".join(SIM_KINDS), help="cache kinds to compare")
+                        help="cache sizes: percents of the working set or sizes (512MiB, 4GiB); "
+                             "default: %(default)s")
+    parser.add_argument("--kinds", default=",".join(SIM_KINDS),
+                        help="cache kinds to compare (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=8,
-                        help="workers reading every item (the TP size)")
-    parser.add_argument("--target", type=float, default=None,
-                        help="hit ratio to reach (default: 90%% of an unbounded cache's)")
-    parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+                        help="workers reading every item, the TP size: lru keeps a mirror in "
+                             "each, so it sets lru's memory (default: %(default)s)")
+    parser.add_argument("--target", type=_ratio, default=None,
+                        help="hit ratio to reach, as 0.8 or 80%% (default: 90%% of an unbounded "
+                             "cache's)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="replay the first N requests (default: all)")
     parser.add_argument("--verify", type=int, default=1000,
-                        help="check the first N requests against the real caches (0: skip)")
+                        help="check the first N requests against the real caches (0: skip; "
+                             "default: %(default)s)")
     parser.add_argument("--frontends", type=int, default=1,
                         help="also replay N front ends (API servers): one shared cache against "
-                             "N separate caches of the same total memory")
+                             "N separate caches of the same total memory (default: %(default)s, "
+                             "no comparison)")
     parser.add_argument("--route", choices=("roundrobin", "column"), default="roundrobin",
                         help="how requests reach the front ends: in turn, or by the trace's "
-                             "route column (--columns ...,route=N; a stable hash of its value)")
-    parser.add_argument("--out", default=".", help="folder for hitrate.csv and hitrate.png")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                             "route column (--columns ...,route=N; a stable hash of its value; "
+                             "default: %(default)s)")
+    parser.add_argument("--out", default=".",
+                        help="folder for hitrate.csv and hitrate.png (default: the current one)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none either when stderr is not a "
+                             "terminal: a log gets one line per step)")
+
+
+def _ratio(text: str) -> float:
+    """--target as 0.8 or 80%; a value outside (0, 1] is refused later, with the others."""
+    try:
+        return float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a hit ratio: give 0.8 or 80%") \
+            from None
 
 
 # -- budgets and the replay -----------------------------------------------------------------------
@@ -166,7 +187,7 @@ def _progress_bar(total: int, disabled: bool, desc: str
         from tqdm import tqdm
     except ImportError:  # the bar is a nicety: pip install tqdm
         disabled = True
-    if disabled:
+    if disabled or not sys.stderr.isatty():  # in a log, a bar is a flood of redrawn lines
         return (lambda n: None), (lambda: None)
     bar = tqdm(total=total, unit="req", unit_scale=True, file=sys.stderr, desc=desc)
     return bar.update, bar.close
@@ -382,7 +403,7 @@ def _plot(rows: list[dict[str, Any]], kinds: list[str], path: Path, target: floa
     ax.set_xscale("log")
     percents = sorted({r["budget_pct"] for r in rows})
     ax.set_xticks(percents)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}%"))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.3g}%"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_ylim(0, 1)

@@ -32,7 +32,8 @@ from ..errors import InvalidName
 
 __all__ = ["SEGMENT_HEADER", "MAGIC", "MAKING_MAGIC", "LAYOUT_VERSION", "ALIGN_BYTES", "KIND_RING",
            "KIND_QUEUE", "KIND_NAMES", "SHM_DIR", "MAX_CAPACITY_BYTES", "MAX_NAME_CHARS", "align_up",
-           "shm_free_bytes", "validate_name", "posix_name", "regular_file", "peek_header", "peek_writer_pid"]
+           "shm_free_bytes", "validate_name", "posix_name", "regular_file", "peek_header", "peek_epoch",
+           "peek_writer_pid"]
 
 MAGIC = b"SHMSTORE"
 MAKING_MAGIC = b"SHMSTMK~"  # header written before the space is reserved: a crash is visible
@@ -92,6 +93,18 @@ def regular_file(name: str) -> bool:
 def peek_header(name: str) -> tuple[int, int, int] | None:
     """(kind, n_readers, writer pid) of a shmstore segment, complete or being made, read without
     mapping it; None if there is none of that name (or only something that is not one)."""
+    fields = _peek_fields(name)
+    return None if fields is None else (int(fields[2]), int(fields[3]), int(fields[7]))
+
+
+def peek_epoch(name: str) -> int | None:
+    """The epoch of the shmstore segment `name` now (new for every create), None if there is
+    none: how a reader learns that its writer made the store anew."""
+    fields = _peek_fields(name)
+    return None if fields is None else int(fields[8])
+
+
+def _peek_fields(name: str) -> tuple[int | bytes, ...] | None:
     if not regular_file(name):
         return None
     try:
@@ -106,8 +119,7 @@ def peek_header(name: str) -> tuple[int, int, int] | None:
         shm.close_fd()
     if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
         return None
-    fields = SEGMENT_HEADER.unpack(header)
-    return int(fields[2]), int(fields[3]), int(fields[7])
+    return tuple(SEGMENT_HEADER.unpack(header))
 
 
 def peek_writer_pid(name: str) -> int | None:

@@ -96,10 +96,13 @@ class StoreBase(Closeable):
         if type(handle) is not Handle:
             raise InvalidHandle(f"expected a shmstore Handle, got {type(handle).__name__}")
         if handle.epoch != self.epoch:
-            raise StaleHandle(
-                f"handle {handle} belongs to another store or an earlier incarnation of "
+            raise StaleHandle(self._epoch_mismatch(handle), handle, self.name)
+
+    def _epoch_mismatch(self, handle: Handle) -> str:
+        """What a handle of another epoch means, for the message."""
+        return (f"handle {handle} belongs to another store or an earlier incarnation of "
                 f"{self.name!r} (epoch {handle.epoch:#x}, this store {self.epoch:#x}); "
-                "handles are valid only in the store that issued them", handle, self.name)
+                "handles are valid only in the store that issued them")
 
     def close(self) -> None:
         raise NotImplementedError

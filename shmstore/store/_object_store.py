@@ -25,6 +25,7 @@ from ..errors import CorruptObject, InvalidArgument, StaleHandle
 from ..handle import Handle
 from ..serde._codec import decode
 from ..shm._closeable import CallGuard
+from ..shm._header import peek_epoch
 from ..shm._readers import MAX_READERS
 from ..shm._ring import RingWriter, ShmRingBuffer
 from ..shm._segment import ALIGN_BYTES, MAX_CAPACITY_BYTES, align_up
@@ -184,6 +185,16 @@ class StoreReader(StoreBase):
         self._reads = words.load_acquire(self._row + ROW_TOTAL_READS)
         self._corrupt_reads = words.load_acquire(self._row + ROW_CORRUPT_READS)
         self._guard = CallGuard(f"store {self.name!r} reader {self.reader}", os.getpid())
+
+    def _epoch_mismatch(self, handle: Handle) -> str:
+        now = peek_epoch(self.name)
+        if now is not None and now != self.epoch and handle.epoch == now:
+            # the handle is good: this reader's attachment is what is stale
+            return (f"this reader is attached to an earlier incarnation of store {self.name!r} "
+                    f"(epoch {self.epoch:#x}): its writer made the store anew (epoch {now:#x}), "
+                    f"and handle {handle} is from the new one. Close this reader and attach "
+                    "again to read it")
+        return super()._epoch_mismatch(handle)
 
     @property
     def reads(self) -> int:

@@ -535,3 +535,26 @@ def test_discard_refuses_a_handle_of_another_key(name: str) -> None:
         assert w.unread(h) == (1,)  # still owed to the reader
         r.discard(h)
         assert w.unread(h) == (0,)
+
+
+def test_a_reader_of_a_store_made_anew_is_told_its_attachment_is_stale(name: str) -> None:
+    """After a writer restart, a handle of the new store read through a reader still attached
+    to the old one blames the reader's attachment (attach again), not the handle."""
+    old = ObjectStore.create(name, n_readers=1, capacity_bytes=1 << 20)
+    reader = ObjectStore.attach(name, reader=0)
+    old.close()
+    try:
+        with ObjectStore.create(name, n_readers=1, capacity_bytes=1 << 20) as new:
+            handle = new.put("k", b"v")
+            with pytest.raises(StaleHandle, match=r"this reader is attached to an earlier "
+                                                  r"incarnation .* attach again") as info:
+                reader.get(handle)
+            assert info.value.handle == handle
+            other = ObjectStore.create(name + "-x", n_readers=1, capacity_bytes=1 << 20)
+            with other, pytest.raises(StaleHandle, match="belongs to another store"):
+                reader.get(other.put("k", b"v"))  # not the store's: the handle is to blame
+            reader.close()
+            with ObjectStore.attach(name, reader=0) as again:
+                assert again.get(handle) == b"v"
+    finally:
+        reader.close()
