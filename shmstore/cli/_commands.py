@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import stat
 import sys
@@ -64,9 +65,8 @@ def list_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmstore", description=(
         "Shared-memory object store and caches for multimodal LLM serving."))
-    from .. import __version__
-
-    parser.add_argument("--version", action="version", version=f"shmstore {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"shmstore {importlib.metadata.version('shmstore')}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="a frontend and N workers sharing image tensors")
     from ._demo import add_arguments

