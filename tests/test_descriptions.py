@@ -68,3 +68,67 @@ def test_the_cache_layer_raises_through_the_hierarchy(path: Path) -> None:
             if isinstance(call, ast.Name) and call.id[0].isupper() and call.id not in allowed:
                 wrong.append(f"line {node.lineno}: {call.id}")
     assert not wrong, f"{path.name} raises outside shmstore.errors: {wrong}"
+
+
+def _design_tree() -> dict[str, set[str]]:
+    """The modules docs/design.md's tree names, by package ('' for the top level)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text[text.index("```text\nshmstore/\n") + len("```text\nshmstore/\n"):]
+    named: dict[str, set[str]] = {}
+    package: str | None = None
+    for line in block[:block.index("```")].splitlines():
+        start = re.match(r"  (\w+)/\s", line)
+        if start:
+            package = start.group(1)  # "  shm/  _segment.py ...": a subpackage's first line
+        elif re.match(r"  \w+\.py\b", line):
+            package = ""  # "  metrics.py ...": the top level
+        elif not line.startswith(" " * 13):
+            package = None  # tests/, bench/, ...: beside the package
+        if package is not None:
+            named.setdefault(package, set()).update(re.findall(r"\b(\w+\.(?:py|c))\b", line))
+    return named
+
+
+def test_the_design_pages_tree_names_every_module_and_nothing_else() -> None:
+    named = _design_tree()
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert sorted(k for k in named if k) == packages
+    for package in ["", *packages]:
+        folder = PACKAGE / package
+        on_disk = {p.name for p in folder.iterdir()
+                   if p.suffix in (".py", ".c") and p.name not in ("__init__.py", "__main__.py")}
+        assert named[package] == on_disk, (
+            f"docs/design.md's tree of shmstore/{package}: missing "
+            f"{sorted(on_disk - named[package])}, naming what is not there "
+            f"{sorted(named[package] - on_disk)}")
+
+
+LAYERS = "shm|serde|store|queue|cache|relay|cli|vllm"
+# vllm.x.y is vLLM's own unless x is one of the plugin's modules (private, or its entry point)
+DOTTED = re.compile(r"(?<![\w./])(?:shmstore\.)?(?:(shm|serde|store|queue|cache|relay|cli)\.([a-z_]\w*)"
+                    r"|(vllm)\.(_\w+|plugin))\.(\w+)")
+PATH = re.compile(rf"(?<![\w./])(?:shmstore/)?({LAYERS})/(\w+\.(?:py|c))\b")
+
+
+def test_every_module_the_sources_and_docs_name_exists() -> None:
+    """`store._policy.POLICIES` or `vllm/_records.py` in a docstring, comment or page names a
+    module that is there (five docstrings named paths from before a rename)."""
+    wrong = []
+    for where, line in texts() + [(f"CONTRIBUTING.md:{i}", line) for i, line in enumerate(
+            (ROOT / "CONTRIBUTING.md").read_text().splitlines(), 1)]:
+        for found in DOTTED.finditer(line):
+            package, module = found.group(1) or found.group(3), found.group(2) or found.group(4)
+            if not (PACKAGE / package / f"{module}.py").exists():
+                wrong.append(f"{where}: {package}.{module}")
+        for package, file in PATH.findall(line):
+            if not (PACKAGE / package / file).exists():
+                wrong.append(f"{where}: {package}/{file}")
+    assert not wrong, f"names of modules that are not there: {wrong}"
+
+
+def test_the_reference_check_sees_a_stale_name() -> None:
+    assert DOTTED.search("a name of store.policy.POLICIES").groups()[:2] == ("store", "policy")
+    assert DOTTED.search("see shmstore.vllm._recrds.read").groups()[2:4] == ("vllm", "_recrds")
+    assert DOTTED.search("vllm.multimodal.cache") is None  # vLLM's own
+    assert PATH.findall("in shmstore/vllm/_recrds.py") == [("vllm", "_recrds.py")]
+    assert PATH.findall("tests/vllm/test_x.py") == []  # the tests' tree is not the package's

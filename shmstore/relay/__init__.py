@@ -10,23 +10,19 @@ that node's own store and re-broadcasts the handles locally.
 May import: errors, handle, _proc, shm, serde, store, queue.
 """
 
-from ._node import (
+from ._node import NodeChannel, Relay, RelayStats
+from ._peer import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PEER_TIMEOUT_S,
     DEFAULT_WINDOW,
     CurveKeys,
-    NodeChannel,
-    NodeStats,
-    Publisher,
     PublisherSecurity,
-    PublisherStats,
-    Relay,
     RelaySecurity,
-    RelayStats,
     Timing,
     check_endpoint,
     generate_keys,
 )
+from ._publisher import NodeStats, Publisher, PublisherStats
 
 __all__ = ["Publisher", "Relay", "CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing",
            "NodeChannel", "PublisherStats", "NodeStats", "RelayStats",

@@ -82,19 +82,12 @@ from ..queue._channel import DEFAULT_INLINE_THRESHOLD, Channel, ChannelWriter
 from ..serde._codec import Encoded, Verbatim
 from ..store._policy import DEFAULT_POLICY
 from ._peer import (
-    DEFAULT_HEARTBEAT_S,
-    DEFAULT_PEER_TIMEOUT_S,
-    DEFAULT_WINDOW,
-    CurveKeys,
     Peer,
-    PublisherSecurity,
     RelaySecurity,
     Timing,
     check_endpoint,
     check_ipc_owner,
-    generate_keys,
 )
-from ._publisher import NodeStats, Publisher, PublisherStats
 from ._wire import (
     ACK,
     BYE,
@@ -113,10 +106,7 @@ from ._wire import (
     parse,
 )
 
-__all__ = ["Publisher", "Relay", "CurveKeys", "PublisherSecurity", "RelaySecurity", "Timing",
-           "NodeChannel", "PublisherStats", "NodeStats", "RelayStats",
-           "generate_keys", "check_endpoint", "DEFAULT_WINDOW", "DEFAULT_PEER_TIMEOUT_S",
-           "DEFAULT_HEARTBEAT_S"]
+__all__ = ["Relay", "NodeChannel", "RelayStats"]
 
 log = logging.getLogger("shmstore.relay")
 

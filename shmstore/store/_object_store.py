@@ -86,7 +86,7 @@ class ObjectStore:
             capacity_bytes: bytes of the ring that holds the objects.
             n_readers: how many readers must read each object before it can be reclaimed.
             max_object_bytes: largest serialized object accepted (default: what fits the ring).
-            policy: a name of store.policy.POLICIES: "fifo" (RING_POLICY, the default),
+            policy: a name of store._policy.POLICIES: "fifo" (RING_POLICY, the default),
                 "reinsert", "freq", "recency" or "adaptive" (DEFAULT_POLICY: what caches run).
             mode: permission bits of the segment (0o600: this user only).
             prefault: map with MAP_POPULATE so puts take no page faults.

@@ -274,9 +274,9 @@ class RecencyPolicy(EvictionPolicy):
 
 class RingReplay:
     """A ring of keys and sizes run by one policy, with no bytes: the store's placement rule
-    (`shm.ring.place_chunk`) and its reclaim loop when every reader is done with every object.
+    (`shm._ring.place_chunk`) and its reclaim loop when every reader is done with every object.
 
-    `cache.hitsim.RingSim` runs one per replay; `AdaptivePolicy` runs one per rival policy, all
+    `cache._hitsim.RingSim` runs one per replay; `AdaptivePolicy` runs one per rival policy, all
     three on one dict of records. The chunks, oldest first, are three circular buffers
     (addresses and sizes in int arrays, keys in a list: 16 bytes a chunk in a ring below 4 GiB,
     24 above, and room to grow; not a tuple and an int object each), doubled when full, between

@@ -4,7 +4,7 @@ here once, read once by _deployment.py) and its logger."""
 LOG_NAME = "vllm.plugins.shmstore"  # a child of vLLM's logger: its handlers print our lines
 
 ENABLE_ENV = "SHMSTORE_VLLM"  # 0/1, false/true, off/on: the plugin off or on
-POLICY_ENV = "VLLM_OBJECT_STORAGE_SHM_POLICY"  # a name of store.policy.POLICIES
+POLICY_ENV = "VLLM_OBJECT_STORAGE_SHM_POLICY"  # a name of store._policy.POLICIES
 SETTLE_ENV = "SHMSTORE_VLLM_SETTLE_S"  # after a request ends: when its unread hand-outs go
 LEASE_ENV = "SHMSTORE_VLLM_LEASE_S"  # a hand-out no request claimed: when it goes
 PUBLISH_ENV = "SHMSTORE_VLLM_PUBLISH"  # head: the address its Publisher binds

@@ -123,7 +123,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     @property
     def publisher(self) -> Any:
-        """The relay Publisher of a TP group across nodes (shmstore.relay._node.Publisher), else None."""
+        """The relay Publisher of a TP group across nodes (shmstore.relay._publisher.Publisher), else None."""
         return None if self._head is None else self._head.publisher
 
     def _is_touched(self, handle: Handle) -> bool:

@@ -11,7 +11,7 @@ cache type is left to vLLM. Environment:
 
     SHMSTORE_VLLM=0 (false, off, no)    turn the plugin off: vLLM's own shm cache comes back;
                                         1, true, on, yes or unset: on; anything else is refused
-    VLLM_OBJECT_STORAGE_SHM_POLICY      a name of store.policy.POLICIES (default: DEFAULT_POLICY,
+    VLLM_OBJECT_STORAGE_SHM_POLICY      a name of store._policy.POLICIES (default: DEFAULT_POLICY,
                                         adaptive): the store's policy
     VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME vLLM's: the shared-memory name (kept)
     SHMSTORE_VLLM_LAZY_IMAGES=0         decode every image as it arrives (default: JPEGs only
