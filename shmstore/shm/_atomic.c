@@ -494,8 +494,15 @@ slots_sleep(SlotsObject *self, PyObject *const *args, Py_ssize_t nargs)
         __atomic_exchange_n(word(base, flag), 0, __ATOMIC_SEQ_CST);
         Py_RETURN_TRUE;
     }
+    /* A deadline on the monotonic clock where the C library can wait on it (glibc 2.30+):
+       a wall-clock step (NTP, an admin) neither stretches nor cuts the sleep. */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#define SHMSTORE_SLEEP_CLOCK CLOCK_MONOTONIC
+#else
+#define SHMSTORE_SLEEP_CLOCK CLOCK_REALTIME
+#endif
     struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
+    clock_gettime(SHMSTORE_SLEEP_CLOCK, &until);
     double whole = (double)(long long)seconds;
     until.tv_sec += (time_t)whole;
     until.tv_nsec += (long)((seconds - whole) * 1e9);
@@ -507,7 +514,11 @@ slots_sleep(SlotsObject *self, PyObject *const *args, Py_ssize_t nargs)
     int rc, err;
     self->sleeping++;
     Py_BEGIN_ALLOW_THREADS
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    rc = sem_clockwait(bell, CLOCK_MONOTONIC, &until);
+#else
     rc = sem_timedwait(bell, &until);
+#endif
     err = errno;
     Py_END_ALLOW_THREADS
     self->sleeping--;
@@ -666,8 +677,10 @@ static PyTypeObject SlotsType = {
 };
 
 static struct PyModuleDef atomic_module = {
-    PyModuleDef_HEAD_INIT, "shmstore.shm._atomic",
-    "Ordered access to aligned 8-byte words of a shared mapping (see _atomic.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "shmstore.shm._atomic",
+    .m_doc = "Ordered access to aligned 8-byte words of a shared mapping (see _atomic.c).",
+    .m_size = -1,
 };
 
 PyMODINIT_FUNC

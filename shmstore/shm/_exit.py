@@ -26,13 +26,14 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+
+from ._tracker import unlink_if_same
 
 log = logging.getLogger("shmstore")
 
 __all__ = ["prepare", "own", "disown"]
 
-_OWNED: dict[str, tuple[int, int, Callable[[], None]]] = {}  # path -> (pid, inode, unlink)
+_OWNED: dict[str, tuple[int, int]] = {}  # path -> (pid, inode)
 _LOCK = threading.Lock()
 _registered = False
 _TRACKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tracker.py")
@@ -133,7 +134,7 @@ def _track(line: str) -> None:
                     exc)
         return
     pid = os.getpid()
-    _tracker.send("".join(f"+{inode} {path}\n" for path, (owner, inode, _) in _OWNED.items()
+    _tracker.send("".join(f"+{inode} {path}\n" for path, (owner, inode) in _OWNED.items()
                           if owner == pid))
 
 
@@ -148,15 +149,16 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def own(path: str, unlink: Callable[[], None]) -> None:
-    """`unlink()` (which removes `path`) runs at this process's exit unless disown(path) ran."""
+def own(path: str) -> None:
+    """`path` (a segment or a semaphore's file, just created) is unlinked when this process
+    ends, unless disown(path) ran: at its exit, or by its tracker."""
     global _registered
     try:
         inode = os.stat(path).st_ino
     except OSError:  # kept elsewhere on this system: nothing to check it by, left alone
         return
     with _LOCK:
-        _OWNED[path] = (os.getpid(), inode, unlink)
+        _OWNED[path] = (os.getpid(), inode)
         _track(f"+{inode} {path}\n")
         if not _registered:
             atexit.register(_unlink_owned)
@@ -173,14 +175,7 @@ def disown(path: str) -> None:
 def _unlink_owned() -> None:
     pid = os.getpid()
     with _LOCK:
-        owned = [(path, inode, unlink) for path, (owner, inode, unlink) in _OWNED.items()
-                 if owner == pid]
+        owned = [(path, inode) for path, (owner, inode) in _OWNED.items() if owner == pid]
         _OWNED.clear()
-    for path, inode, unlink in owned:
-        try:
-            if os.stat(path).st_ino != inode:
-                continue  # another writer's now
-        except OSError:
-            continue
-        with contextlib.suppress(Exception):
-            unlink()
+    for path, inode in owned:
+        unlink_if_same(path, inode)  # left alone if another writer's now

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import logging
 import mmap
 import os
@@ -162,7 +161,7 @@ class Segment(Closeable):
         self = object.__new__(cls)
         self.name = name
         self.is_owner = True
-        _exit.own(os.path.join(SHM_DIR, name), functools.partial(_unlink_name, name))
+        _exit.own(os.path.join(SHM_DIR, name))
         try:
             os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
             self.kind = kind

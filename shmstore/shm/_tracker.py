@@ -31,6 +31,7 @@ next writer on the node removes those (sweep_dead in _segment.py) and `shmstore 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import stat
@@ -64,17 +65,40 @@ def _parse(line: bytes, owned: dict[bytes, int]) -> None:
         owned.pop(line[1:], None)
 
 
+def unlink_if_same(path: str | bytes, inode: int | None = None) -> int | None:
+    """Unlink `path` if it still leads to the regular file of `inode` (the file there now, if
+    None); return that file's size if it was unlinked, None if not.
+
+    The check and the unlink hold an exclusive flock on that file, as every remover of a
+    dead writer's names does (Segment.remove_stale, the next create's takeover, a queue's
+    doorbells): of two removers of one file one unlinks it, and a name a new writer made
+    meanwhile (another file) is never unlinked."""
+    try:  # O_NONBLOCK: whatever is there now, opening it never waits (a FIFO)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode) or (inode is not None and held.st_ino != inode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return None
+        os.unlink(path)
+        return held.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _unlink_left(owned: dict[bytes, int], writer: int) -> None:
     for path, inode in owned.items():
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_ino != inode:
-                continue  # gone, or another writer's now
-            os.unlink(path)
-        except OSError:
-            continue
-        sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
-                         f"{os.fsdecode(path)} ({st.st_size} bytes): removed\n")
+        size = unlink_if_same(path, inode)
+        if size is not None:
+            sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
+                             f"{os.fsdecode(path)} ({size} bytes): removed\n")
     sys.stderr.flush()
 
 

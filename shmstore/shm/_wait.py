@@ -25,7 +25,6 @@ the wait goes on to its deadline (tests/queue/test_handoff.py pins both).
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import stat
 import time
@@ -38,6 +37,7 @@ from .._proc import MAX_SECONDS, number_arg
 from ..errors import SegmentNotFound, SegmentPermissionError, ShmSpaceError
 from . import _exit
 from ._ordering import FULL_FENCE, Words
+from ._tracker import unlink_if_same
 
 __all__ = ["Deadline", "Doorbell", "wait_until", "checked_wait", "deadline_of", "SLICE_S",
            "SHM_DIR"]
@@ -103,7 +103,10 @@ class Doorbell:
             try:
                 sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)
             except posix_ipc.ExistentialError:
-                posix_ipc.unlink_semaphore(name)  # a dead writer's: share a count with nobody
+                # a dead writer's: share a count with nobody. Unlinked under the lock its
+                # tracker takes to remove it too, so that neither unlinks the other's new one
+                if unlink_if_same(_sem_path(name)) is None:
+                    _unlink_semaphore(name)  # kept elsewhere on this system: by name
                 sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
@@ -116,7 +119,7 @@ class Doorbell:
             raise SegmentPermissionError(f"cannot create semaphore {name!r}: {exc}",
                                          name) from None
         self = cls(name, sem, owner=True)
-        _exit.own(_sem_path(name), functools.partial(_unlink_semaphore, name))
+        _exit.own(_sem_path(name))
         try:
             # sem_open applies the umask; others need read and write to use it
             os.chmod(_sem_path(name), stat.S_IMODE(mode))

@@ -273,3 +273,23 @@ def test_a_hundred_writers_killed_in_a_loop_leave_nothing(name: str) -> None:
     done = run(name + "-next", MAKE["store"])
     assert done.returncode == 0, done.stderr
     wait_gone(name, 60)
+
+
+def test_the_trackers_unlink_never_removes_a_file_made_anew_under_the_name(name: str) -> None:
+    from shmstore.shm._tracker import unlink_if_same
+
+    path = SHM / name
+    path.write_bytes(b"the dead writer's")
+    held = os.open(path, os.O_RDONLY)  # kept open: its inode number cannot be reused
+    old = path.stat().st_ino
+    path.unlink()  # a new writer took the name over: another file under it
+    path.write_bytes(b"the new writer's")
+    try:
+        assert unlink_if_same(str(path), old) is None
+        assert path.read_bytes() == b"the new writer's"
+        assert unlink_if_same(str(path), path.stat().st_ino) == len(b"the new writer's")
+        assert not path.exists()
+        assert unlink_if_same(str(path), old) is None  # nothing there: nothing to do
+    finally:
+        os.close(held)
+        path.unlink(missing_ok=True)

@@ -130,7 +130,8 @@ def test_a_remover_racing_a_new_writer_never_unlinks_the_new_segment(
                 "import sys, time; from shmstore.shm._segment import Segment, KIND_RING; "
                 f"s = Segment.create({name!r}, kind=KIND_RING, capacity_bytes=8192); "
                 "print('made', flush=True); sys.stdin.read()")],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                env={**os.environ, "SHMSTORE_TRACKER": "0"}))  # its segment is left, for below
             time.sleep(1.0)  # time enough to take the name over, were it not locked
         return real(pid)
 
