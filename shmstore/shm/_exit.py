@@ -17,7 +17,6 @@ child never unlinks its parent's names and closes its copy of the parent's pipe 
 Set SHMSTORE_TRACKER=0 to run without the tracker (exit handlers and the sweep remain).
 """
 
-
 from __future__ import annotations
 
 import atexit
@@ -27,6 +26,7 @@ import os
 import sys
 import threading
 
+from .._proc import env_switch
 from ._tracker import unlink_if_same
 
 log = logging.getLogger("shmstore")
@@ -101,7 +101,7 @@ def _reap(pid: int) -> None:
 
 
 _tracker: _Tracker | None = None
-_tracker_failed = False  # said once; exit handlers and the sweep still run
+_tracker_failed = False  # off, or failed to start (said once): exit handlers and the sweep remain
 
 
 def prepare() -> None:
@@ -120,8 +120,6 @@ def _track(line: str) -> None:
         return
     if _tracker is not None and (not line or _tracker.send(line)):
         return
-    from .._proc import env_switch
-
     try:
         if not env_switch("SHMSTORE_TRACKER", True):
             _tracker_failed = True
