@@ -27,7 +27,6 @@ import sys
 import threading
 
 from .._proc import env_switch
-from ._tracker import unlink_if_same
 
 log = logging.getLogger("shmstore")
 
@@ -176,4 +175,10 @@ def _unlink_owned() -> None:
         owned = [(path, inode) for path, (owner, inode) in _OWNED.items() if owner == pid]
         _OWNED.clear()
     for path, inode in owned:
-        unlink_if_same(path, inode)  # left alone if another writer's now
+        # No lock here (this process holds its segments' locks itself), and none is needed:
+        # while this process lives, no other writer takes its names over
+        try:
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+        except OSError:
+            continue

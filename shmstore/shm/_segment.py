@@ -18,6 +18,7 @@ import secrets
 import stat
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 
@@ -105,6 +106,7 @@ class Segment(Closeable):
     _buf: memoryview | None = None
     _words: Words | None = None
     _unlinked = False
+    _held_fd = -1  # the owner's descriptor of its segment, holding a shared flock (see create)
 
     def __init__(self) -> None:
         raise TypeError("use Segment.create(...) or Segment.attach(...)")
@@ -163,6 +165,14 @@ class Segment(Closeable):
         self.is_owner = True
         _exit.own(os.path.join(SHM_DIR, name))
         try:
+            # Held until close(), and by no one else: a remover (remove_stale, a takeover, the
+            # sweep) that cannot take the file's lock knows a live writer owns it, whatever
+            # pid namespace that writer runs in. The kernel drops it when the writer dies.
+            # A description of its own (a dup, as mmap makes, would share the lock with the
+            # mapping, which a forked child keeps), opened through this process's descriptor
+            self._held_fd = os.open(f"/proc/self/fd/{shm.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            _HELD.add(self)
+            fcntl.flock(self._held_fd, fcntl.LOCK_SH)
             os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
             self.kind = kind
             self.n_readers = n_readers
@@ -314,6 +324,7 @@ class Segment(Closeable):
 
     def close(self) -> None:
         """Unmap this process's view; idempotent. Views still alive keep the pages mapped."""
+        self._release_held()
         if self._words is not None:
             self._words.release()
             self._words = None
@@ -333,6 +344,12 @@ class Segment(Closeable):
                     ResourceWarning,
                     stacklevel=2,
                 )
+
+    def _release_held(self) -> None:
+        fd, self._held_fd = self._held_fd, -1
+        _HELD.discard(self)
+        if fd >= 0:
+            os.close(fd)
 
     def unlink(self) -> None:
         """Remove the name from /dev/shm (owner only); idempotent. Mappings stay valid."""
@@ -355,6 +372,21 @@ class Segment(Closeable):
         state = "closed" if self.closed else f"{self.total_bytes} bytes"
         role = "owner" if self.is_owner else "attached"
         return f"<Segment {self.name!r} {KIND_NAMES.get(self.kind, self.kind)}, {role}, {state}>"
+
+
+_HELD: weakref.WeakSet[Segment] = weakref.WeakSet()  # owners whose flock this process holds
+
+
+def _after_fork_in_child() -> None:
+    # A forked child shares its parent's open descriptions, and with them the flock: closed
+    # here, so that the lock goes when the writer goes (the child never owns the segment).
+    for segment in list(_HELD):
+        segment._release_held()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+LOCK_TRIES = 20  # a remover's lock is held for microseconds, a writer's for its life
+LOCK_RETRY_S = 0.005  # so 20 tries 5 ms apart tell the two apart
 
 
 _SWEEP_EXTRA: dict[int, Callable[[str, int], object]] = {}  # kind -> what else goes with one
@@ -483,22 +515,42 @@ def _unlink_if_dead(name: str) -> bool:
         held = os.fstat(fd)
         if not stat.S_ISREG(held.st_mode):
             return False
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        header = os.pread(fd, SEGMENT_HEADER.size, 0)
+        if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
+            return False  # not a shmstore segment: not ours to remove
+        pid = SEGMENT_HEADER.unpack(header)[7]
+        if pid_alive(pid):
+            raise _exists_error(name)
+        if not _lock_exclusive(fd):  # its writer lives where its pid does not tell
+            raise SegmentExists(
+                f"segment {name!r} is held by a live writer: its pid {pid} is not one of this "
+                "pid namespace (a writer in another container sharing /dev/shm, or a process "
+                "forked from the writer that still holds it); only one writer may own a name: "
+                "choose another name or stop that process", name, pid, True)
         try:
             now = os.lstat(path)
         except FileNotFoundError:
             return False
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
             return False  # the name leads to another file now: someone else's
-        header = os.pread(fd, SEGMENT_HEADER.size, 0)
-        if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
-            return False  # not a shmstore segment: not ours to remove
+        header = os.pread(fd, SEGMENT_HEADER.size, 0)  # again, under the lock
         if pid_alive(SEGMENT_HEADER.unpack(header)[7]):
             raise _exists_error(name)
         os.unlink(path)
         return True
     finally:
         os.close(fd)
+
+
+def _lock_exclusive(fd: int) -> bool:
+    """Take the file's flock exclusively; False if a writer holds it (see LOCK_TRIES)."""
+    for _ in range(LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(LOCK_RETRY_S)
+    return False
 
 
 def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:

@@ -288,3 +288,30 @@ def test_prefault_off_still_works(name: str) -> None:
     with Segment.create(name, kind=KIND_RING, capacity_bytes=1 << 20, prefault=False) as seg:
         seg.buf[-1] = 1
         assert seg.buf[-1] == 1
+
+
+def test_a_live_writer_whose_pid_this_namespace_cannot_see_is_never_removed(name: str) -> None:
+    """A writer in another container that shares /dev/shm (docker --ipc=host, a pod's
+    hostIPC) has a pid that means nothing here: its header pid looks dead. Its flock on the
+    segment says it lives: remove_stale, a create of the name, the sweep and `shmstore gc`
+    leave it alone, and once it is gone (the lock with it) it is removed."""
+    from shmstore._proc import PID_MAX_LIMIT
+    from shmstore.shm import _segment as segment_module
+
+    seg = Segment.create(name, kind=KIND_RING, capacity_bytes=4096)
+    try:
+        seg.buf[40:48] = PID_MAX_LIMIT.to_bytes(8, "little")  # the writer pid: no such process
+        with pytest.raises(SegmentExists, match="held by a live writer: its pid 4194304 is "
+                                                "not one of this pid namespace") as info:
+            Segment.remove_stale(name)
+        assert info.value.writer_alive
+        with pytest.raises(SegmentExists, match="held by a live writer"):
+            Segment.create(name, kind=KIND_RING, capacity_bytes=4096)
+        assert name not in segment_module.sweep_dead()
+        assert os.path.exists(os.path.join(SHM_DIR, name))
+    finally:
+        seg.close()  # the writer is gone: its lock with it
+    try:
+        assert Segment.remove_stale(name) is True
+    finally:
+        seg.unlink()
