@@ -245,6 +245,7 @@ def test_segments_a_tracker_killed_with_its_writer_left_go_at_the_next_writers_c
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 100 interpreters started one after another: minutes on a busy machine
 def test_a_hundred_writers_killed_in_a_loop_leave_nothing(name: str) -> None:
     """Restarts, as a crash-looping service makes them: each writer killed at a random point
     of its life with SIGTERM, SIGHUP or SIGKILL."""
