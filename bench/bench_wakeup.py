@@ -47,6 +47,10 @@ from shmstore import BroadcastQueue
 
 
 def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` in microseconds; nan for none (on a busy machine a reader
+    may never have slept in a short run: nothing woke it)."""
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e6
 
