@@ -5,17 +5,9 @@
 # read from the code) and its docs extra (mkdocs, mkdocs-material, mkdocstrings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
-if ! .venv/bin/python -c "import shmstore, mkdocs, mkdocstrings, material" 2>/dev/null; then
-  echo "installing shmstore with mkdocs, mkdocs-material and mkdocstrings into .venv" \
-       "(about 245 MB; about 30 s with a warm pip cache) ..." >&2
-  start=$SECONDS
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[docs]'
-  echo "installed in $((SECONDS - start)) s" >&2
-fi
+. scripts/_venv.sh
+venv_install "import shmstore, mkdocs, mkdocstrings, material" '.[docs]' \
+  "shmstore with mkdocs, mkdocs-material and mkdocstrings (about 245 MB; about 30 s with a warm pip cache)"
 export NO_MKDOCS_2_WARNING=1
 if [ "${1:-}" = "build" ]; then
   exec .venv/bin/mkdocs build --strict
