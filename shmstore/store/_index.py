@@ -28,7 +28,7 @@ class Entry:
     origin: int = 0  # seq of the put that wrote these bytes (the header's origin_seq)
     ended: set[int] = field(default_factory=set)  # hand-outs whose users said they are over
     narrowed: dict[int, int] = field(default_factory=dict)  # hand-out -> mask of its readers
-    outs: int = 0  # hand-outs made, ever: the scrape's way to see one made while it looked
+    outs: int = 0  # hand-outs made and narrowings, ever: the scrape's way to see one while it looked
 
 
 class Index:
@@ -48,9 +48,9 @@ class Index:
         self.lock = threading.RLock()  # a signal handler's stats() in the writer's thread
 
     def handed_out(self, entry: Entry) -> None:
-        """`entry` may owe reads from now on. The caller holds `lock` from here until the
-        hand-out is recorded in `entry.handouts`: a scrape that looks at `entry` then sees
-        both or neither."""
+        """`entry` may owe reads from now on (a hand-out, or a narrowing to more readers). The
+        caller holds `lock` from here until the change is recorded in the entry: a scrape that
+        looks at `entry` then sees both or neither."""
         entry.outs += 1
         self.unread[entry.chunk.seq] = entry
 
