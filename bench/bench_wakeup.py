@@ -5,7 +5,7 @@
 1. The cost of one `put` (no reader attached) right after the writer was idle for 0, 1 and
    20 ms: the same Python code on a CPU that went idle.
 2. One message every G ms (readers fall asleep between them), on the compiled hand-off and on
-   the Python path (queue/_layout.py): latency from just before `put`
+   the Python path (queue/_slots.py): latency from just before `put`
    to the reader's `get` returning, and the part of it until the reader's semaphore wait
    returned (the rest is the reader's own code after waking).
 2b. Flooded: messages per second to one reader, and the CPU a reader blocked in get takes,
@@ -120,11 +120,11 @@ def exchange_after_idle() -> dict[str, float]:
 
 def use_handoff(compiled: bool) -> Any:
     """Make the queues this process creates or attaches take the compiled hand-off or the Python
-    path (queue/_layout.py); return what was set before."""
-    from shmstore.queue import _layout
+    twin (queue/_slots.py); return what was set before."""
+    from shmstore.queue import _slots
 
-    before = _layout.SLOTS
-    _layout.SLOTS = _layout.COMPILED_SLOTS if compiled else None
+    before = _slots.SLOTS
+    _slots.SLOTS = _slots.COMPILED if compiled else _slots.PythonSlots
     return before
 
 
@@ -380,7 +380,8 @@ def main() -> None:
     print("put with no reader, after the writer was idle for: "
           + ", ".join(f"{g * 1e3:g} ms: {c:.1f} us" for g, c in costs.items()))
 
-    from shmstore.shm._ordering import COMPILED_SLOTS, ORDERING
+    from shmstore.queue._slots import COMPILED as COMPILED_SLOTS
+    from shmstore.shm._ordering import ORDERING
 
     python_total, to_wake = queue_handoff(n, gap, warm, ctx, compiled=False)
     print(f"queue, Python hand-off ({ORDERING} words), one message per {args.gap_ms:g} ms "

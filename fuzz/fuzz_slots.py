@@ -3,8 +3,8 @@
     python fuzz/fuzz_slots.py -runs=5000            # or leave -runs out to run until stopped
 
 Each input is a message's bytes and a list of (offset, value) writes into its slot after it was
-published. The same damage is read by the compiled Slots (shm/_atomic.c) and by the Python
-steps; both must give the same outcome (the message, CorruptObject or Timeout, the same
+published. The same damage is read by the compiled Slots (_native/_atomic.c) and by its Python
+twin (queue/_slots.py); both must give the same outcome (the message, CorruptObject or Timeout, the same
 message text), and the next message must get through alike. Any other exception, a crash
 (the sanitizer build of scripts/check-native.sh catches memory errors) or a difference is a
 finding. Without the compiled part there is nothing to compare: it says so and exits 0.
@@ -22,7 +22,7 @@ import atheris
 
 with atheris.instrument_imports():
     from shmstore import BroadcastQueue, CorruptObject, Timeout
-    from shmstore.queue import _layout
+    from shmstore.queue import _slots
 
 SLOT_BYTES = 256
 N_SLOTS = 4
@@ -30,7 +30,7 @@ logging.getLogger("shmstore").setLevel(logging.ERROR)  # a skipped damaged messa
 
 
 def outcome(path: str, payload: bytes, writes: list[tuple[int, int]]) -> tuple[str, ...]:
-    _layout.SLOTS = _layout.COMPILED_SLOTS if path == "compiled" else None
+    _slots.SLOTS = _slots.COMPILED if path == "compiled" else _slots.PythonSlots
     name = f"shmstore-fuzz-{os.getpid()}-{secrets.token_hex(4)}"
     with BroadcastQueue.create(name, n_readers=1, slot_bytes=SLOT_BYTES, n_slots=N_SLOTS,
                                spin_s=0) as q:
@@ -67,15 +67,15 @@ def test_one_input(data: bytes) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if _layout.COMPILED_SLOTS is None:
+    if _slots.COMPILED is None:
         print("fuzz_slots: the compiled hand-off is not built here: nothing to compare")
         return
-    saved: Any = _layout.SLOTS
+    saved: Any = _slots.SLOTS
     try:
         atheris.Setup(argv, test_one_input)
         atheris.Fuzz()
     finally:
-        _layout.SLOTS = saved
+        _slots.SLOTS = saved
 
 
 if __name__ == "__main__":

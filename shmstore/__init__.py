@@ -11,6 +11,7 @@ Layers, lowest first; each may import only layers before it, and only those its 
 import each other):
 
     errors, handle, _proc   the words every layer shares: exceptions, Handle, process helpers
+    _native                 the compiled boundary: the C module and which path runs
     shm                     segments, the ring, the reader table, waiting
     serde                   values to bytes and back, no pickle
     store                   the object store on one ring: put, get, view, hand-outs, policies

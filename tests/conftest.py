@@ -88,12 +88,12 @@ HANDOFFS = ["compiled", "python"]
 
 @pytest.fixture(params=HANDOFFS)
 def handoff(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Queues made in this test take the compiled hand-off or the Python path (queue/_layout.py);
-    "compiled" is skipped where shm/_atomic.c was not built (or SHMSTORE_ORDERING opts out)."""
-    from shmstore.queue import _layout
+    """Queues made in this test take the compiled hand-off or its Python twin (queue/_slots.py);
+    "compiled" is skipped where _native/_atomic.c was not built (or SHMSTORE_ORDERING opts out)."""
+    from shmstore.queue import _slots
 
-    if request.param == "compiled" and _layout.COMPILED_SLOTS is None:
+    if request.param == "compiled" and _slots.COMPILED is None:
         pytest.skip("the compiled hand-off is not built here")
-    monkeypatch.setattr(_layout, "SLOTS", _layout.COMPILED_SLOTS if request.param == "compiled"
-                        else None)
+    monkeypatch.setattr(_slots, "SLOTS", _slots.COMPILED if request.param == "compiled"
+                        else _slots.PythonSlots)
     return str(request.param)

@@ -103,9 +103,10 @@ def test_the_design_pages_tree_names_every_module_and_nothing_else() -> None:
             f"{sorted(named[package] - on_disk)}")
 
 
-LAYERS = "shm|serde|store|queue|cache|relay|cli|vllm"
+LAYERS = "_native|shm|serde|store|queue|cache|relay|cli|vllm"
 # vllm.x.y is vLLM's own unless x is one of the plugin's modules (private, or its entry point)
-DOTTED = re.compile(r"(?<![\w./])(?:shmstore\.)?(?:(shm|serde|store|queue|cache|relay|cli)\.([a-z_]\w*)"
+DOTTED = re.compile(r"(?<![\w./])(?:shmstore\.)?"
+                    r"(?:(_native|shm|serde|store|queue|cache|relay|cli)\.([a-z_]\w*)"
                     r"|(vllm)\.(_\w+|plugin))\.(\w+)")
 PATH = re.compile(rf"(?<![\w./])(?:shmstore/)?({LAYERS})/(\w+\.(?:py|c))\b")
 

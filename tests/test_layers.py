@@ -51,6 +51,7 @@ def _imports(path: Path, package: Path = PACKAGE) -> set[str]:
                         found.add(f"{target}.{alias.name}")
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "shmstore"}
+    found.discard(me)  # `from . import _compiled` in a package's __init__ names its own module
     return found
 
 
@@ -159,3 +160,28 @@ def test_a_packages_module_table_names_each_of_its_modules_once(package: str) ->
         f"shmstore/{package}/__init__.py's module table is stale: missing "
         f"{sorted(set(on_disk) - set(table))}, naming what is not there "
         f"{sorted(set(table) - set(on_disk))}")
+
+
+def test_the_compiled_code_is_one_boundary_and_each_type_has_a_python_twin() -> None:
+    """Every C source is in _native/, setup.py builds only those, and each compiled type's
+    Python twin (named in _native/__init__.py) offers every method the compiled type does."""
+    import importlib
+
+    from shmstore import _native
+
+    sources = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.c"))
+    assert sources and all(s.startswith("_native/") for s in sources), sources
+    setup = (PACKAGE.parent / "setup.py").read_text()
+    assert sorted(re.findall(r'"shmstore/([^"]+\.c)"', setup)) == sources
+    stub = (PACKAGE / "_native" / "_atomic.pyi").read_text()
+    for compiled, twin in _native.TWINS.items():
+        module, _, name = twin.rpartition(".")
+        python = getattr(importlib.import_module(module), name)
+        block = stub[stub.index(f"class {compiled}:"):].split("\nclass ")[0]
+        methods = set(re.findall(r"def (\w+)\(", block)) - {"__init__"}
+        assert methods, f"no methods read for {compiled} from _atomic.pyi"
+        missing = sorted(m for m in methods if not callable(getattr(python, m, None)))
+        assert not missing, f"{twin} lacks {missing}, which the compiled {compiled} has"
+        if _native.ATOMIC is not None:
+            built = {m for m in dir(getattr(_native.ATOMIC, compiled)) if not m.startswith("_")}
+            assert built == methods, f"_atomic.pyi and the built {compiled} differ: {built}"

@@ -1,5 +1,5 @@
 """A plain `pip install` works with or without a C compiler: the one compiled module
-(shm/_atomic.c) is optional, and the pure-Python ordering takes over without it."""
+(_native/_atomic.c) is optional, and the pure-Python ordering takes over without it."""
 
 from __future__ import annotations
 

@@ -47,9 +47,9 @@ from ._layout import (
     WRITER_CHECK_S,
     QueueBase,
     bell_name,
-    message_crc,
     remove_semaphores,
 )
+from ._slots import Slots
 from ._writer import QueueWriter
 
 __all__ = ["BroadcastQueue", "QueueWriter", "QueueReader", "QUEUE_META", "QUEUE_ROW",
@@ -62,7 +62,7 @@ on_sweep(KIND_QUEUE, remove_semaphores)  # a dead writer's queue goes with its d
 OVERWRITTEN = ("was overwritten while read (a second process uses this reader index, or the "
                "segment was damaged)")
 CRC_MISMATCH = "is damaged (CRC mismatch)"
-SLOT_TOO_LARGE = 1  # what the compiled take() says of a size larger than a slot (2: the CRC)
+SLOT_TOO_LARGE = 1  # what take() says of a size larger than a slot (2: the CRC)
 
 
 class BroadcastQueue:
@@ -121,7 +121,7 @@ class QueueReader(QueueBase):
     generation = 0
     _bell: Doorbell | None = None
     _writer_bell: Doorbell | None = None
-    _slots: Any = None  # the compiled hand-off (queue/_layout.py), or None
+    _slots: Slots | None = None  # the hand-off (queue/_slots.py), once attached
 
     def __init__(self, segment: Segment, reader: Any, spin_s: float) -> None:
         super().__init__(segment)
@@ -154,8 +154,7 @@ class QueueReader(QueueBase):
         self._row = self._table.row(self.reader)
         self._skipped = words.load_acquire(self._row + ROW_SKIPPED)
         try:
-            self._slots = self.compiled_slots(self._row, (self._writer_bell.name,),
-                                              self._bell.name)
+            self._slots = self.open_slots(self._row, (self._writer_bell.name,), self._bell.name)
         except BaseException:
             self._table.detach(self.reader, self.generation, self)
             self._close_bells()
@@ -211,8 +210,7 @@ class QueueReader(QueueBase):
     def _receive(self, timeout: Deadline | float | None, guard: CallGuard) -> tuple[int, Any]:
         seq = self._read_seq + 1
         slots = self._slots
-        if slots is None:
-            return self._receive_python(seq, timeout, guard)
+        assert slots is not None  # made in __init__
         got = slots.take(seq)
         if got is None:
             self._await(seq, timeout, guard, lambda seconds: slots.sleep(seq, seconds))
@@ -228,30 +226,6 @@ class QueueReader(QueueBase):
             problem = OVERWRITTEN
         self._refuse(seq, problem)
 
-    def _receive_python(self, seq: int, timeout: Deadline | float | None,
-                        guard: CallGuard) -> tuple[int, Any]:
-        words = self._words
-        slot = self.slot(seq)
-        if words.load_acquire(slot) != seq:
-            self._await(seq, timeout, guard, None)
-        nbytes, tag, crc = SLOT_FIELDS.unpack_from(self._buf, slot + SLOT_NBYTES)
-        problem = ""
-        msg: Any = None
-        if nbytes > self.slot_bytes:
-            problem = f"claims {nbytes} bytes, more than its {self.slot_bytes}-byte slot"
-        else:
-            body = slot + ALIGN_BYTES
-            if message_crc(self._buf[body:body + nbytes], tag) != crc:
-                problem = CRC_MISMATCH
-            else:
-                msg, problem = self._decode(seq, nbytes)
-                if not problem and words.load_acquire(slot) != seq:
-                    problem = OVERWRITTEN
-        if problem:
-            self._refuse(seq, problem)
-        self._consume(seq)
-        return tag, msg
-
     def _decode(self, seq: int, nbytes: int) -> tuple[Any, str]:
         """(message, "") from the slot of message `seq`, or (None, why it does not decode)."""
         body = self.slot(seq) + ALIGN_BYTES
@@ -261,7 +235,7 @@ class QueueReader(QueueBase):
             return None, f"does not decode: {exc}"
 
     def _slot_problem(self, seq: int, got: Any) -> str:
-        """What the compiled take() found wrong with message `seq` (None: it left its slot)."""
+        """What take() found wrong with message `seq` (None: it left its slot)."""
         if got is None:
             return OVERWRITTEN
         if got == SLOT_TOO_LARGE:
@@ -275,7 +249,7 @@ class QueueReader(QueueBase):
                             self.name)
 
     def _await(self, seq: int, timeout: Deadline | float | None, guard: CallGuard,
-               sleep: Callable[[float], bool] | None) -> None:
+               sleep: Callable[[float], bool]) -> None:
         """Return once message `seq` is in its slot; else raise why it will not come."""
         deadline = deadline_of(timeout)
         words = self._words

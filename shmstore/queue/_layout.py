@@ -37,11 +37,11 @@ Ordering: the writer fills the payload, then stores `seq` with release order, th
 with a full-barrier exchange; a reader loads `seq` with acquire order, copies the message out,
 then publishes `read_seq` with a full-barrier exchange.
 
-Two paths, one layout: where the optional compiled module is built (shm/_ordering.py
-COMPILED_SLOTS), each step above (the writer's copy, CRC, publish and wake; a reader's check,
-consume and doorbell sleep) is one call into shm/_atomic.c's Slots, given the offsets below as
-`handoff_layout()`; elsewhere the same steps run in Python. Either side may take either path:
-the bytes in the segment are the same. Sleeping: shm/_wait.py (spin, then a
+Two paths, one layout: each step above (the writer's copy, CRC, publish and wake; a reader's
+check, consume and doorbell sleep) is one call of a Slots (queue/_slots.py), given the offsets
+below by name as `handoff_layout()`: the compiled one (_native/_atomic.c) where it was built,
+else its Python twin, chosen once at import. Either side may take either path: the bytes in the
+segment are the same. Sleeping: shm/_wait.py (spin, then a
 per-reader doorbell; the writer has its own for waiting on slow readers).
 
 Attach (shm/_readers.py protocol): prepare sets read_seq to the current write_seq W; after the row
@@ -58,24 +58,21 @@ the same for a message whose size or CRC is wrong. The next get() goes on with m
 from __future__ import annotations
 
 import struct
-import zlib
-from typing import Any
 
 from ..errors import IncompatibleSegment
 from ..shm._closeable import CallGuard, Closeable
-from ..shm._ordering import COMPILED_SLOTS
 from ..shm._readers import ROW_HEAD_BYTES, ReaderTable
 from ..shm._segment import ALIGN_BYTES, SEGMENT_HEADER, Segment, align_up
+from . import _slots
 
 __all__ = ["QueueBase", "CLOSED_UPSTREAM_GONE", "QUEUE_META", "QUEUE_ROW", "SLOT_HEADER",
-           "SLOT_FIELDS", "message_crc", "bell_name", "remove_semaphores", "SLOTS"]
+           "SLOT_FIELDS", "bell_name", "remove_semaphores"]
 
 QUEUE_META = struct.Struct("<IIQQQ32x")
 QUEUE_ROW = struct.Struct("<QQQQQ24x")
 SLOT_HEADER = struct.Struct("<QQII40x")
 SLOT_FIELDS = struct.Struct("<QII")  # nbytes, tag and crc, at slot offset SLOT_NBYTES
 SLOT_NBYTES, SLOT_TAG, SLOT_CRC = 8, 16, 20  # where SLOT_FIELDS puts each field in a slot
-SIZE_TAG = struct.Struct("<QI")
 assert QUEUE_META.size == QUEUE_ROW.size == SLOT_HEADER.size == ALIGN_BYTES
 META_WRITE_SEQ = 8
 META_CLOSED = 16
@@ -90,12 +87,6 @@ MAX_TAG = (1 << 32) - 1
 DEFAULT_SPIN_S = 0.002  # spin this long before sleeping: keeps latency at a few microseconds
 #                         under load and the CPU idle when idle
 WRITER_CHECK_S = 0.2  # how often a waiting reader checks that the writer is alive
-SLOTS = COMPILED_SLOTS  # the compiled hand-off's type, or None: the Python path (tests set it)
-
-
-def message_crc(payload: memoryview, tag: int) -> int:
-    """CRC-32 of a slot's size, tag and payload."""
-    return zlib.crc32(payload, zlib.crc32(SIZE_TAG.pack(len(payload), tag)))
 
 
 def bell_name(name: str, who: str) -> str:
@@ -148,18 +139,21 @@ class QueueBase(Closeable):
         self._table = ReaderTable(self._words, table, self.n_readers, QUEUE_ROW.size,
                                   f"queue {self.name!r}", self.name, segment.epoch)
 
-    def handoff_layout(self) -> tuple[int, ...]:
-        """The offsets the compiled hand-off follows, in shm/_atomic.c's order (its L_* names)."""
-        return (self._meta + META_WRITE_SEQ, self._meta + META_CLOSED,
-                self._meta + META_WRITER_SLEEPING, self._table.row(0), QUEUE_ROW.size,
-                ROW_READ_SEQ, ROW_SLEEPING, self._data, self._stride, self.n_slots,
-                self.slot_bytes, SLOT_NBYTES, SLOT_TAG, SLOT_CRC, ALIGN_BYTES)
+    def handoff_layout(self) -> dict[str, int]:
+        """The offsets the hand-off follows, by name (_native/_atomic.c's HANDOFF_LAYOUT)."""
+        return {"write_seq": self._meta + META_WRITE_SEQ, "closed": self._meta + META_CLOSED,
+                "writer_sleeping": self._meta + META_WRITER_SLEEPING,
+                "table": self._table.row(0), "row_bytes": QUEUE_ROW.size,
+                "row_read_seq": ROW_READ_SEQ, "row_sleeping": ROW_SLEEPING, "data": self._data,
+                "stride": self._stride, "n_slots": self.n_slots, "slot_bytes": self.slot_bytes,
+                "slot_nbytes": SLOT_NBYTES, "slot_tag": SLOT_TAG, "slot_crc": SLOT_CRC,
+                "body": ALIGN_BYTES}
 
-    def compiled_slots(self, row: int, post: tuple[str, ...], wait: str | None) -> Any:
-        """This side's compiled hand-off (shm/_atomic.c Slots), or None: the Python path."""
-        if SLOTS is None:
-            return None
-        return SLOTS(self._words, self.handoff_layout(), row, post, wait)
+    def open_slots(self, row: int, post: tuple[str, ...], wait: str | None) -> _slots.Slots:
+        """This side's hand-off (queue/_slots.py SLOTS: compiled, or its Python twin)."""
+        slots: _slots.Slots = _slots.SLOTS(self._words, self._buf, self.handoff_layout(), row,
+                                           post, wait)
+        return slots
 
     def slot(self, seq: int) -> int:
         """Offset of the slot that holds message `seq`."""

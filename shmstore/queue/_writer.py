@@ -16,16 +16,13 @@ from ._layout import (
     CLOSED_UPSTREAM_GONE,
     MAX_TAG,
     META_CLOSED,
-    META_WRITE_SEQ,
     META_WRITER_SLEEPING,
     ROW_READ_SEQ,
     ROW_SLEEPING,
-    SLOT_FIELDS,
-    SLOT_NBYTES,
     QueueBase,
     bell_name,
-    message_crc,
 )
+from ._slots import Slots
 
 __all__ = ["QueueWriter"]
 
@@ -34,7 +31,7 @@ class QueueWriter(QueueBase):
     """The single writer: put (blocks while the slowest attached reader is n_slots behind),
     close. Only the creating process may call it."""
 
-    _slots: Any = None  # the compiled hand-off (queue/_layout.py), or None
+    _slots: Slots | None = None  # the hand-off (queue/_slots.py), once the doorbells exist
 
     def __init__(self, segment: Segment, spin_s: float, mode: int) -> None:
         super().__init__(segment)
@@ -50,8 +47,7 @@ class QueueWriter(QueueBase):
             for r in range(self.n_readers):
                 self._bells.append(Doorbell.create(bell_name(self.name, f"r{r}"), mode))
             self._writer_bell = Doorbell.create(bell_name(self.name, "w"), mode)
-            self._slots = self.compiled_slots(
-                -1, tuple(bell.name for bell in self._bells), None)
+            self._slots = self.open_slots(-1, tuple(bell.name for bell in self._bells), None)
         except BaseException:
             self._close_bells()
             raise
@@ -119,15 +115,13 @@ class QueueWriter(QueueBase):
             seq = self._write_seq + 1
             if seq - self.n_slots > self._read_through and self._lagging(seq, force=False):
                 self._wait_for_space(seq, deadline_of(timeout), guard)
-            if self._slots is not None:
-                self._publish_compiled(seq, enc, tag)
-            else:
-                self._publish_python(seq, enc, tag)
+            self._publish(seq, enc, tag)
         finally:
             guard.leave()
 
-    def _publish_compiled(self, seq: int, enc: Encoded, tag: int) -> None:
+    def _publish(self, seq: int, enc: Encoded, tag: int) -> None:
         slots = self._slots
+        assert slots is not None  # made in __init__
         body = enc.whole()
         if body is None:  # arrays: written in place, then published with the rest
             start = self.slot(seq) + ALIGN_BYTES
@@ -139,29 +133,6 @@ class QueueWriter(QueueBase):
                 self._write_seq = seq
             raise
         self._write_seq = seq
-
-    def _publish_python(self, seq: int, enc: Encoded, tag: int) -> None:
-        buf = self._buf
-        slot = self.slot(seq)
-        body = slot + ALIGN_BYTES
-        payload = buf[body:body + enc.nbytes]
-        enc.write_into(payload)
-        SLOT_FIELDS.pack_into(buf, slot + SLOT_NBYTES, enc.nbytes, tag, message_crc(payload, tag))
-        words = self._words
-        published = False
-        try:
-            words.store_release(slot, seq)  # publish: the payload is complete before this
-            published = True
-            self._write_seq = seq
-            words.exchange(self._meta + META_WRITE_SEQ, seq)  # full barrier before the flags
-        except BaseException:
-            if published:  # readers may take it: it is sent
-                self._write_seq = seq
-            raise
-        for r in range(self.n_readers):
-            flag = self._table.row(r) + ROW_SLEEPING
-            if words.load_acquire(flag) and words.exchange(flag, 0):
-                self._bells[r].ring()
 
     def close(self, *, upstream_gone: bool = False) -> None:
         """Mark the queue closed, wake every reader (they get Closed once they have every

@@ -18,12 +18,12 @@ through libatomic's `__atomic_store_8` / `__atomic_load_8` with `__ATOMIC_RELEAS
 `__ATOMIC_ACQUIRE` (stlr / ldar on aarch64). If libatomic cannot be loaded the import fails with
 a message saying to install it (it ships with gcc, package libatomic1 on Debian/Ubuntu).
 
-Where the optional compiled module shm/_atomic.c was built at install (a C compiler was there),
-every word goes through it instead (the default), and the broadcast queue hands messages off
-through its Slots (COMPILED_SLOTS; queue/_layout.py): the same orders from GCC's `__atomic`
-builtins, one C call each, with every offset bounds-checked. A ctypes call costs about 1 us warm
-and tens of microseconds right after an idle period, when every page it touches misses the
-caches; the compiled call is several times cheaper in both cases (docs/performance.md).
+Where the optional compiled module _native/_atomic.c was built at install (a C compiler was
+there), every word goes through it instead (the default; _native/__init__.py chooses, once):
+the same orders from GCC's `__atomic` builtins, one C call each, with every offset
+bounds-checked. A ctypes call costs about 1 us warm and tens of microseconds right after an
+idle period, when every page it touches misses the caches; the compiled call is several times
+cheaper in both cases (docs/performance.md).
 
 `SHMSTORE_ORDERING=libatomic` (or `plain`, on x86) forces a pure-Python path (the tests run
 each); `compiled` insists on the module. Without the module the default is the pure-Python path.
@@ -41,38 +41,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import os
 import platform
 from typing import Any, Protocol
 
-__all__ = ["Words", "OrderedWords", "ordered_words", "ORDERING", "FULL_FENCE", "COMPILED_SLOTS"]
+from .._native import ATOMIC, ORDERING
+
+__all__ = ["Words", "OrderedWords", "ordered_words", "ORDERING", "FULL_FENCE"]
 
 _ATOMIC_ACQUIRE = 2  # __ATOMIC_ACQUIRE
 _ATOMIC_RELEASE = 3  # __ATOMIC_RELEASE
 _ATOMIC_SEQ_CST = 5  # __ATOMIC_SEQ_CST
 _U64_MASK = (1 << 64) - 1  # values wrap: a counter loaded from damaged memory may be 2**64 - 1
-_TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 
-try:
-    from . import _atomic as _compiled  # built at install where a C compiler exists
-except ImportError:
-    _compiled = None  # type: ignore[assignment]
-
-
-def _choose_ordering() -> str:
-    forced = os.environ.get("SHMSTORE_ORDERING", "")
-    if forced == "compiled" and _compiled is None:
-        raise ImportError("SHMSTORE_ORDERING=compiled, but shmstore.shm._atomic was not built: "
-                          "reinstall shmstore where a C compiler (gcc or clang) is available, "
-                          "or unset SHMSTORE_ORDERING")
-    if forced in ("plain", "libatomic", "compiled"):
-        return forced
-    if _compiled is not None:
-        return "compiled"
-    return "plain" if platform.machine().lower() in _TSO_MACHINES else "libatomic"
-
-ORDERING = _choose_ordering()
+_compiled = ATOMIC  # the compiled module (_native/_atomic.c), or None
 _libatomic: ctypes.CDLL | None = None
 _atomic_load: Any = None  # __atomic_load_8(ptr, order); a module-level name: no class mangling
 _atomic_store: Any = None  # __atomic_store_8(ptr, value, order)
@@ -101,13 +83,11 @@ if ORDERING == "libatomic":
     _atomic_store.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     _atomic_store.restype = None
 FULL_FENCE = ORDERING == "compiled" or _atomic_exchange is not None
-# The compiled queue hand-off (shm/_atomic.c Slots; queue/_layout.py), on the compiled words only.
-COMPILED_SLOTS: Any = _compiled.Slots if ORDERING == "compiled" else None
 
 
 class Words(Protocol):
     """Aligned 8-byte words of one mapping, read with acquire and written with release order:
-    OrderedWords below, or the compiled shm/_atomic.c Words. Made by `ordered_words`, owned by
+    OrderedWords below, or the compiled _native/_atomic.c Words. Made by `ordered_words`, owned by
     the Segment that owns the mapping; `release()` must run before the mapping closes."""
 
     def load_acquire(self, offset: int, /) -> int: ...
@@ -119,8 +99,9 @@ class Words(Protocol):
 
 def ordered_words(mapping: mmap.mmap) -> Words:
     """Words of `mapping` through the compiled module where ORDERING says so, else Python."""
-    if ORDERING == "compiled":
-        return _compiled.Words(mapping)
+    if _compiled is not None and ORDERING == "compiled":
+        words: Words = _compiled.Words(mapping)
+        return words
     return OrderedWords(mapping)
 
 

@@ -1,5 +1,5 @@
-"""The two hand-off paths (the compiled Slots of shm/_atomic.c and the Python steps) write and
-accept the same bytes: across processes, byte for byte, under damage to every byte of a slot,
+"""The two hand-offs (the compiled Slots of _native/_atomic.c and queue/_slots.py's PythonSlots)
+write and accept the same bytes: across processes, byte for byte, under damage to every byte of a slot,
 signals and a close from another thread."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from shmstore.queue import _layout
+from shmstore.queue import _slots
 from shmstore.queue._broadcast import ROW_READ_SEQ, ROW_SLEEPING
 from tests._names import BroadcastQueue, CorruptObject, SegmentClosed, Timeout
 from tests.conftest import new_name
@@ -26,16 +26,15 @@ from tests.conftest import new_name
 CTX = mp.get_context("spawn")
 N_MESSAGES = 300
 PATHS = ["compiled", "python"]
-L_N_SLOTS = 9  # where handoff_layout() puts n_slots (shm/_atomic.c's L_N_SLOTS)
 
 
 @pytest.fixture(autouse=True)
 def _restore_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_layout, "SLOTS", _layout.SLOTS)  # put back after each test
+    monkeypatch.setattr(_slots, "SLOTS", _slots.SLOTS)  # put back after each test
 
 
 def set_path(path: str) -> None:
-    _layout.SLOTS = _layout.COMPILED_SLOTS if path == "compiled" else None
+    _slots.SLOTS = _slots.COMPILED if path == "compiled" else _slots.PythonSlots
 
 
 def message(i: int) -> Any:
@@ -80,7 +79,7 @@ def cross_reader(name: str, path: str, reader: int, report: Any) -> None:
 
 
 def _requires_compiled() -> None:
-    if _layout.COMPILED_SLOTS is None:
+    if _slots.COMPILED is None:
         pytest.skip("the compiled hand-off is not built here")
 
 
@@ -130,12 +129,12 @@ def slot_bytes_of(path: str, msg: Any, tag: int, seq: int) -> bytes:
        tag=st.integers(0, 2**32 - 1), seq=st.integers(1, 9))
 def test_both_paths_write_the_same_slot_bytes(payload: Any, tag: int, seq: int) -> None:
     _requires_compiled()
-    before = _layout.SLOTS  # hypothesis runs every example inside one fixture's scope
+    before = _slots.SLOTS  # hypothesis runs every example inside one fixture's scope
     try:
         assert slot_bytes_of("compiled", payload, tag, seq) == slot_bytes_of("python", payload, tag,
                                                                                 seq)
     finally:
-        _layout.SLOTS = before
+        _slots.SLOTS = before
 
 
 def outcome_after_damage(path: str, offset: int, msg: Any) -> tuple[str, ...]:
@@ -244,17 +243,22 @@ def test_a_close_from_another_thread_ends_a_sleeping_get(name: str, handoff: str
 
 def test_the_compiled_slots_check_their_layout_and_their_role(name: str) -> None:
     _requires_compiled()
-    Slots = _layout.COMPILED_SLOTS
     set_path("compiled")
     with BroadcastQueue.create(name, n_readers=1, slot_bytes=64, n_slots=2) as q:
         layout = q.handoff_layout()
         bells = (q._bells[0].name,)
-        with pytest.raises(ValueError, match="layout has"):
-            Slots(q._words, layout[:-1], -1, bells, None)
-        too_many = list(layout)
-        too_many[L_N_SLOTS] = 10**6  # n_slots: far past the mapping
+        Slots = _slots.ATOMIC.Slots
+        assert tuple(layout) == _slots.ATOMIC.HANDOFF_LAYOUT  # the same names, the same order
+        lacking = dict(layout)
+        del lacking["body"]
+        with pytest.raises(ValueError, match="lacks body"):
+            Slots(q._words, lacking, -1, bells, None)
+        with pytest.raises(ValueError, match="has 16 names"):
+            Slots(q._words, {**layout, "spare": 0}, -1, bells, None)
+        with pytest.raises(TypeError):
+            Slots(q._words, tuple(layout.values()), -1, bells, None)  # by position: refused
         with pytest.raises(ValueError, match="does not fit"):
-            Slots(q._words, tuple(too_many), -1, bells, None)
+            Slots(q._words, {**layout, "n_slots": 10**6}, -1, bells, None)  # past the mapping
         with pytest.raises(ValueError, match="posts one doorbell"):
             Slots(q._words, layout, -1, bells, bells[0])
         with pytest.raises(FileNotFoundError):
@@ -281,7 +285,7 @@ class QueueModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.name = new_name("qsm")
-        before = _layout.SLOTS
+        before = _slots.SLOTS
         try:
             self.writer = BroadcastQueue.create(self.name, n_readers=2, slot_bytes=128,
                                                 n_slots=self.N_SLOTS, spin_s=0)
@@ -289,7 +293,7 @@ class QueueModel(RuleBasedStateMachine):
             set_path("python")
             self.readers.append(BroadcastQueue.attach(self.name, reader=1, spin_s=0))
         finally:
-            _layout.SLOTS = before
+            _slots.SLOTS = before
         self.sent: list[int] = []
         self.next_index = [0, 0]
 

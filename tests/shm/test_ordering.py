@@ -1,4 +1,4 @@
-"""Every ordering path works: the compiled words (shm/_atomic.c, the default where it was
+"""Every ordering path works: the compiled words (_native/_atomic.c, the default where it was
 built), libatomic through ctypes (ARM without the compiled module; forced here on x86 in a child
 process) and plain loads and stores (x86 without it)."""
 
@@ -70,12 +70,12 @@ def run_with_ordering(ordering: str, code: str) -> subprocess.CompletedProcess[s
 
 
 def compiled_built() -> bool:
-    return importlib.util.find_spec("shmstore.shm._atomic") is not None
+    return importlib.util.find_spec("shmstore._native._atomic") is not None
 
 
 ORDERINGS = [
     pytest.param("compiled", marks=pytest.mark.skipif(not compiled_built(),
-                                                      reason="shm/_atomic.c was not built")),
+                                                      reason="_native/_atomic.c was not built")),
     pytest.param("libatomic", marks=pytest.mark.skipif(ctypes.util.find_library("atomic") is None,
                                                        reason="libatomic not installed")),
     pytest.param("plain", marks=pytest.mark.skipif(platform.machine() != "x86_64",
@@ -95,14 +95,14 @@ def test_the_compiled_module_is_built_where_a_compiler_exists_and_is_the_default
     """CI builds it (a C compiler is there): a build that silently lost it would go unnoticed."""
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler here: the module is not expected")
-    assert compiled_built(), "shm/_atomic.c was not built: run `pip install -e .` again"
+    assert compiled_built(), "_native/_atomic.c was not built: run `pip install -e .` again"
     default = run_with_ordering("", "import shmstore.shm._ordering as o; print(o.ORDERING)")
     assert default.returncode == 0, default.stderr
     assert default.stdout.strip() == "compiled"
 
 
 def test_without_the_compiled_module_it_falls_back_and_insisting_on_it_says_how_to_fix() -> None:
-    hide = ("import sys; sys.modules['shmstore.shm._atomic'] = None\n"  # as if never built
+    hide = ("import sys; sys.modules['shmstore._native._atomic'] = None\n"  # as if never built
             "import shmstore.shm._ordering as o\n")
     fallback = run_with_ordering("", hide + "print(o.ORDERING, o.FULL_FENCE)")
     assert fallback.returncode == 0, fallback.stderr
@@ -116,8 +116,8 @@ def test_without_the_compiled_module_it_falls_back_and_insisting_on_it_says_how_
 def make_words(kind: str, mapping: mmap.mmap) -> Words:
     if kind == "compiled":
         if not compiled_built():
-            pytest.skip("shm/_atomic.c was not built")
-        from shmstore.shm._atomic import Words as CompiledWords
+            pytest.skip("_native/_atomic.c was not built")
+        from shmstore._native._atomic import Words as CompiledWords
 
         return CompiledWords(mapping)
     return OrderedWords(mapping)
@@ -182,10 +182,10 @@ def test_a_value_whose_index_releases_the_words_is_refused_not_written() -> None
     releases the words and unmaps the memory cannot make the call write through the pointer
     it had (a segfault before)."""
     if not compiled_built():
-        pytest.skip("shm/_atomic.c was not built")
+        pytest.skip("_native/_atomic.c was not built")
     script = """
 import mmap
-from shmstore.shm._atomic import Words
+from shmstore._native._atomic import Words
 class Sly:
     def __index__(self):
         words.release()
@@ -213,7 +213,7 @@ def test_release_and_close_from_another_thread_mid_access_fail_loudly_never_cras
     compares as fast as it can: each call either completes on the live mapping or raises."""
     script = """
 import mmap, threading
-from shmstore.shm._atomic import Words
+from shmstore._native._atomic import Words
 for _ in range(200):
     mapping = mmap.mmap(-1, 4096)
     words = Words(mapping)
@@ -236,7 +236,7 @@ for _ in range(200):
 print("ok")
 """
     if not compiled_built():
-        pytest.skip("shm/_atomic.c was not built")
+        pytest.skip("_native/_atomic.c was not built")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]  # -11 would be a SIGSEGV

@@ -1,4 +1,4 @@
-/* shmstore.shm._atomic: ordered access to aligned 8-byte words of a shared mapping.
+/* shmstore._native._atomic: ordered access to aligned 8-byte words of a shared mapping.
  *
  * The compiled form of shm/_ordering.py's OrderedWords, built at install time where a C
  * compiler exists (setup.py marks it optional; without it the pure-Python OrderedWords is used).
@@ -17,8 +17,8 @@
  * offset computed from damaged bytes raises instead of touching memory outside the mapping.
  *
  * Slots(words, layout, row, post, wait)   a broadcast queue's slots, written and read in one
- *                                        call per step (queue/_layout.py draws the layout and
- *                                        says what the numbers of `layout` are): see below
+ *                                        call per step (queue/_layout.py draws the layout;
+ *                                        `layout` maps each LAYOUT name below to its number)
  *
  * The GIL: every call keeps it, so release() (from another thread) never runs while an
  *   access is under way: a word is never touched after its mapping may have closed. Each access
@@ -199,7 +199,7 @@ static PyMethodDef words_methods[] = {
 
 static PyTypeObject WordsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmstore.shm._atomic.Words",
+    .tp_name = "shmstore._native._atomic.Words",
     .tp_doc = "Aligned 8-byte words of one writable buffer, with ordered access.",
     .tp_basicsize = sizeof(WordsObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -212,7 +212,7 @@ static PyTypeObject WordsType = {
 /* ---- Slots: a broadcast queue's hand-off in one call per step ------------------------------
  *
  * The same steps as queue/_writer.py and queue/_broadcast.py take in Python, on the layout
- * queue/_layout.py draws; `layout` is its HANDOFF_LAYOUT, in the order of the L_* names below,
+ * queue/_layout.py draws; `layout` is its handoff_layout(), a dict keyed by the names below,
  * checked against the mapping here, so the two paths read and write the same bytes.
  *
  *   Slots(words, layout, row, post, wait)
@@ -241,11 +241,19 @@ static PyTypeObject WordsType = {
  * checks that the words are still exported; the queue's CallGuard keeps release() from running
  * while a call is in flight, and a sleep in flight defers the closing of its doorbell to its end.
  */
-enum {
-    L_WRITE_SEQ, L_CLOSED, L_WRITER_SLEEPING, L_TABLE, L_ROW_BYTES, L_ROW_READ_SEQ,
-    L_ROW_SLEEPING, L_DATA, L_STRIDE, L_N_SLOTS, L_SLOT_BYTES, L_SLOT_NBYTES, L_SLOT_TAG,
-    L_SLOT_CRC, L_BODY, L_COUNT
-};
+/* The layout, by name: queue/_layout.py's handoff_layout() is a dict with exactly these keys
+ * (Slots() refuses a missing or an extra one), so the two sides cannot agree by position only.
+ * The enum and the names come from this one list: a reorder here changes both. */
+#define HANDOFF_LAYOUT(X) \
+    X(WRITE_SEQ, "write_seq") X(CLOSED, "closed") X(WRITER_SLEEPING, "writer_sleeping") \
+    X(TABLE, "table") X(ROW_BYTES, "row_bytes") X(ROW_READ_SEQ, "row_read_seq") \
+    X(ROW_SLEEPING, "row_sleeping") X(DATA, "data") X(STRIDE, "stride") \
+    X(N_SLOTS, "n_slots") X(SLOT_BYTES, "slot_bytes") X(SLOT_NBYTES, "slot_nbytes") \
+    X(SLOT_TAG, "slot_tag") X(SLOT_CRC, "slot_crc") X(BODY, "body")
+#define LAYOUT_ENUM(id, text) L_##id,
+#define LAYOUT_NAME(id, text) text,
+enum { HANDOFF_LAYOUT(LAYOUT_ENUM) L_COUNT };
+static const char *const layout_names[L_COUNT] = { HANDOFF_LAYOUT(LAYOUT_NAME) };
 
 typedef struct {
     PyObject_HEAD
@@ -574,7 +582,7 @@ slots_init(SlotsObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "Slots() is made once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!nO!O:Slots", &WordsType, &words, &PyTuple_Type, &layout,
+    if (!PyArg_ParseTuple(args, "O!O!nO!O:Slots", &WordsType, &words, &PyDict_Type, &layout,
                           &row, &PyTuple_Type, &post, &wait))
         return -1;
     WordsObject *w = (WordsObject *)words;
@@ -582,19 +590,26 @@ slots_init(SlotsObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "the words were released (their mapping is closed)");
         return -1;
     }
-    if (PyTuple_GET_SIZE(layout) != L_COUNT) {
-        PyErr_Format(PyExc_ValueError, "the layout has %zd numbers, not %d",
-                     PyTuple_GET_SIZE(layout), L_COUNT);
-        return -1;
-    }
     for (int i = 0; i < L_COUNT; i++) {
-        self->at[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(layout, i));
+        PyObject *number = PyDict_GetItemString(layout, layout_names[i]);  /* borrowed */
+        if (number == NULL) {
+            PyErr_Format(PyExc_ValueError, "the layout lacks %s (queue/_layout.py and "
+                         "_atomic.c disagree: rebuild shmstore)", layout_names[i]);
+            return -1;
+        }
+        self->at[i] = PyLong_AsSsize_t(number);
         if (self->at[i] == -1 && PyErr_Occurred())
             return -1;
         if (self->at[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "layout number %d is negative", i);
+            PyErr_Format(PyExc_ValueError, "layout number %s is negative", layout_names[i]);
             return -1;
         }
+    }
+    if (PyDict_GET_SIZE(layout) != L_COUNT) {
+        PyErr_Format(PyExc_ValueError, "the layout has %zd names, not the %d this build knows "
+                     "(queue/_layout.py and _atomic.c disagree: rebuild shmstore)",
+                     PyDict_GET_SIZE(layout), L_COUNT);
+        return -1;
     }
     Py_ssize_t n_post = PyTuple_GET_SIZE(post), len = w->view.len, *at = self->at;
     Py_ssize_t n_rows = row < 0 ? n_post : 0;  /* the writer posts every reader's row */
@@ -666,7 +681,7 @@ static PyMethodDef slots_methods[] = {
 
 static PyTypeObject SlotsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmstore.shm._atomic.Slots",
+    .tp_name = "shmstore._native._atomic.Slots",
     .tp_doc = "A broadcast queue's slots: the hand-off of queue/_layout.py in one call per step.",
     .tp_basicsize = sizeof(SlotsObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -678,7 +693,7 @@ static PyTypeObject SlotsType = {
 
 static struct PyModuleDef atomic_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "shmstore.shm._atomic",
+    .m_name = "shmstore._native._atomic",
     .m_doc = "Ordered access to aligned 8-byte words of a shared mapping (see _atomic.c).",
     .m_size = -1,
 };
@@ -700,6 +715,25 @@ PyInit__atomic(void)
     Py_INCREF(&SlotsType);
     if (PyModule_AddObject(module, "Slots", (PyObject *)&SlotsType) < 0) {
         Py_DECREF(&SlotsType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    PyObject *names = PyTuple_New(L_COUNT);
+    if (names == NULL) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    for (int i = 0; i < L_COUNT; i++) {
+        PyObject *text = PyUnicode_FromString(layout_names[i]);
+        if (text == NULL) {
+            Py_DECREF(names);
+            Py_DECREF(module);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(names, i, text);
+    }
+    if (PyModule_AddObject(module, "HANDOFF_LAYOUT", names) < 0) {
+        Py_DECREF(names);
         Py_DECREF(module);
         return NULL;
     }
