@@ -44,7 +44,7 @@ from .errors import (
     Timeout,
     WriterGone,
 )
-from .handle import Handle
+from .handle import Handle, HandOut
 from .queue._broadcast import BroadcastQueue, QueueReader, QueueWriter
 from .queue._channel import Channel, ChannelReader, ChannelWriter
 from .serde._codec import Blank, dumps, loads
@@ -59,6 +59,7 @@ __all__ = [
     "StoreReader",
     "StoreStats",
     "Handle",
+    "HandOut",
     "Blank",
     "BroadcastQueue",
     "QueueWriter",

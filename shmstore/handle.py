@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 from .errors import InvalidHandle, InvalidKey
 
-__all__ = ["Handle", "HANDLE_WIRE", "KEY_DIGEST_BYTES", "key_digest", "check_key"]
+__all__ = ["Handle", "HandOut", "HANDLE_WIRE", "OBJECT_ID_BYTES", "KEY_DIGEST_BYTES",
+           "key_digest", "check_key"]
 
 KEY_DIGEST_BYTES = 16  # blake2b-128: collisions need ~2**64 keys
+OBJECT_ID_BYTES = KEY_DIGEST_BYTES + 8  # the key digest and the seq its bytes were first put at
 HANDLE_WIRE = struct.Struct("<QQ16sQ")
 _U64_LIMIT = 1 << 64
 
@@ -67,6 +69,39 @@ class Handle:
     def __repr__(self) -> str:
         return (f"Handle(address={self.address}, seq={self.seq}, "
                 f"key_digest={self.key_digest.hex()}, epoch={self.epoch:#x})")
+
+
+@dataclass(frozen=True, slots=True)
+class HandOut:
+    """One hand-out of a stored object: what every writer call that hands out returns.
+
+    A hand-out is one read owed by each reader the object is handed to, until they read it or
+    the writer takes it back. Send `handle` to the readers; name `number` to give this hand-out
+    back, narrow it to some readers or end it (give_back, narrow, end_handouts).
+
+    handle      names the object (StoreReader.get / view take it)
+    number      the store-wide number of this hand-out (1, 2, 3, ... across every object)
+    object_id   the id of the stored bytes (OBJECT_ID_BYTES: the key digest and the seq the
+                bytes were first put at): the key a relay node stores them under
+    record      the bytes under the field asked for (hand_out_cached(keys, field=...)); None
+                when none was asked for, the object has no such field, or it is too large
+    """
+
+    handle: Handle
+    number: int
+    object_id: bytes
+    record: bytes | None = None
+
+    def __repr__(self) -> str:
+        record = "" if self.record is None else f", record={len(self.record)} bytes"
+        return (f"HandOut({self.handle!r}, number={self.number}, "
+                f"object_id={self.object_id.hex()}{record})")
+
+    @property
+    def origin(self) -> int:
+        """The seq the bytes were first put at (the object id's last 8 bytes, little-endian):
+        StoreReader.get(origin=...) checks it."""
+        return int.from_bytes(self.object_id[KEY_DIGEST_BYTES:], "little")
 
 
 def check_key(key: object) -> str | bytes:

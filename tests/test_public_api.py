@@ -11,7 +11,7 @@ import pytest
 import shmstore
 
 EXPECTED = {
-    "ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "Handle", "BroadcastQueue",
+    "ObjectStore", "StoreWriter", "StoreReader", "StoreStats", "Handle", "HandOut", "BroadcastQueue",
     "QueueWriter", "QueueReader", "Channel", "ChannelWriter", "ChannelReader", "CACHE_KINDS",
     "SenderCache", "ReceiverCache", "CacheStats", "mm_hash", "dumps", "loads", "Blank",
     "ShmStoreError", "InvalidArgument", "InvalidKey", "NotSerializable", "ObjectTooLarge",

@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from shmstore import Blank
 from shmstore.cli._commands import list_segments
 from shmstore.queue._broadcast import META_WRITE_SEQ
 from shmstore.serde._codec import BODY_HEADER, BODY_MAGIC, EXT_TUPLE
@@ -426,6 +427,13 @@ def _assert_writer_consistent(w: Any, r: Any, known: dict[str, int]) -> None:
             assert r.get(w.get_cached(key))[0] == value
 
 
+def _reserved(w: Any, key: str, value: int) -> Any:
+    """A reserve block; the Reservation (its handle is read outside the injected call)."""
+    with w.reserve(key, {"a": Blank((1500,), "uint8")}) as r:
+        r.arrays["a"][:] = value
+    return r
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, lines", [("reinsert", 400), ("adaptive", 2000)])
 def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(
@@ -436,7 +444,8 @@ def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(
     known: dict[str, int] = {}
     hits = 0
     try:
-        for op in ("put", "get_cached", "clear", "give_back"):
+        for op in ("put", "get_cached", "clear", "give_back", "hand_out_cached", "hand_out",
+                   "reserve", "hand_out_new"):
             for line in range(1, lines):
                 value = line % 200
                 key = f"{op}-{line}"
@@ -451,14 +460,30 @@ def test_9_writer_operations_are_all_or_nothing_under_injected_exceptions(
                     call = lambda k=key: w.get_cached(k)  # noqa: E731
                 elif op == "clear":
                     call = w.clear
+                elif op == "hand_out_cached":  # a batch: all or nothing
+                    call = lambda k=key: [f.handle for f in  # noqa: E731
+                                          w.hand_out_cached([k, "missing", k], field="x")
+                                          if f is not None]
+                elif op == "hand_out":
+                    call = lambda k=key: w.hand_out(w.handle_of(k)).handle  # noqa: E731
+                elif op == "reserve":
+                    call = lambda k=new_key, v=value: _reserved(w, k, v)  # noqa: E731
+                elif op == "hand_out_new":
+                    call = lambda k=new_key, v=value: w.hand_out_new(  # noqa: E731
+                        k, np.full(1500, v, np.uint8)).handle
                 else:
                     handle = w.put(f"gb-{line}", np.full(1500, value, np.uint8))
                     call = lambda h=handle: w.give_back(h)  # noqa: E731
                 hit, result = _inject_at(line, call)
-                if op == "put" and not hit:
+                if op in ("put", "hand_out_new") and not hit:
                     known[new_key] = value
-                if op in ("put", "get_cached") and not hit:
+                if op == "reserve" and not hit:
+                    result = result.handle
+                if op in ("put", "get_cached", "hand_out", "reserve", "hand_out_new") and not hit:
                     r.get(result)  # a handle the caller got is read; one it did not get is not
+                if op == "hand_out_cached" and not hit:
+                    for handle in result:
+                        r.get(handle)
                 if op == "give_back" and hit:
                     w.give_back(handle)  # not done: doing it again must work
                 if not hit:

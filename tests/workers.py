@@ -205,6 +205,6 @@ def fake_relay_main(name: str, sent: Any) -> None:
     channel = Channel.create(name, n_readers=1, capacity_bytes=4 << 20, inline_threshold=1024)
     channel.wait_for_readers(60)
     channel.send({"inline": 1})
-    channel.publish(channel.store.put(b"id-1", {"x": 1}))
+    channel.publish(channel.store.hand_out_new(b"id-1", {"x": 1}))
     sent.set()
     time.sleep(600)

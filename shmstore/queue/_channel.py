@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._proc import int_arg
-from ..errors import CorruptObject, SegmentClosed, ShmStoreError
-from ..handle import Handle
+from ..errors import CorruptObject, InvalidArgument, SegmentClosed, ShmStoreError
+from ..handle import Handle, HandOut
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
 from ..shm._segment import validate_name
@@ -156,9 +156,9 @@ class ChannelWriter(_Pair):
         Raises:
             StoreFull, Timeout: no space in time. NotSerializable, ObjectTooLarge.
         """
-        store: StoreWriter = self._store
-        if key is not None and store.is_cached(key):
-            self._publish(store.get_cached(key), Deadline(timeout))
+        found = None if key is None else self._store.hand_out_cached([key])[0]
+        if found is not None:
+            self._publish(found, Deadline(timeout))
         else:
             self.send_encoded(encode(obj), key, timeout)
 
@@ -173,7 +173,7 @@ class ChannelWriter(_Pair):
             return
         if key is None:
             key = f"#channel-{next(self._anonymous)}"
-        self._publish(self._store.put_encoded(key, enc, deadline.remaining()), deadline)
+        self._publish(self._store.hand_out_new(key, enc, deadline.remaining()), deadline)
 
     @contextmanager
     def reserve(self, template: Any, key: str | bytes | None = None,
@@ -187,24 +187,32 @@ class ChannelWriter(_Pair):
             key = f"#channel-{next(self._anonymous)}"
         with store.reserve(key, template, deadline.remaining()) as reservation:
             yield reservation
-        assert reservation.handle is not None  # set by a clean exit
-        self._publish(reservation.handle, deadline)
+        assert reservation.handout is not None  # set by a clean exit
+        self._publish(reservation.handout, deadline)
 
-    def publish(self, handle: Handle, timeout: float | None = None) -> None:
-        """Send a hand-out just made on `store` (put, get_cached) to every reader, as send()
-        does; for a writer that uses the store directly too. Call it before the next hand-out
-        (readers that take messages in order rely on the numbers rising). If it raises (no
-        queue space in time: Timeout), the hand-out is given back.
+    def publish(self, handout: HandOut, timeout: float | None = None) -> None:
+        """Send a hand-out just made on `store` (hand_out_new, hand_out_cached, hand_out) to
+        every reader, as send() does; for a writer that uses the store directly too. Call it
+        before the next hand-out (readers that take messages in order rely on the numbers
+        rising). If it raises (no queue space in time: Timeout), the hand-out is given back.
+
+        Raises:
+            InvalidArgument: `handout` is not a HandOut (a bare Handle does not say which
+                hand-out it is).
         """
-        self._publish(handle, Deadline(timeout))
+        if type(handout) is not HandOut:
+            raise InvalidArgument(f"publish() sends one hand-out: pass the HandOut the store "
+                                  f"returned (hand_out_new, hand_out_cached, hand_out), not "
+                                  f"{type(handout).__name__}", "handout", None)
+        self._publish(handout, Deadline(timeout))
 
-    def _publish(self, handle: Handle, deadline: Deadline) -> None:
-        store: StoreWriter = self._store
+    def _publish(self, handout: HandOut, deadline: Deadline) -> None:
         try:
-            self._queue.publish(encode((handle, store.handout_seq)), deadline, tag=TAG_HANDLE)
+            self._queue.publish(encode((handout.handle, handout.number)), deadline,
+                                tag=TAG_HANDLE)
         except BaseException:
             with suppress(ShmStoreError):  # closed meanwhile: nothing to give back to
-                store.give_back(handle)  # no reader will read this hand-out
+                self._store.give_back(handout.handle, handout.number)  # no reader reads it
             raise
         self.sent_by_handle += 1
 

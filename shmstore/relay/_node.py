@@ -388,15 +388,16 @@ class Relay(Peer):
         objects, by_handle = len(store), channel.sent_by_handle
         while True:
             try:
+                found = None if object_id is None else store.hand_out_cached([object_id])[0]
                 if object_id is None:
                     assert enc is not None
                     channel.send_encoded(enc, timeout=self.heartbeat_s)
-                elif store.is_cached(object_id):
-                    channel.publish(store.get_cached(object_id), timeout=self.heartbeat_s)
+                elif found is not None:
+                    channel.publish(found, timeout=self.heartbeat_s)
                 else:
                     assert enc is not None  # a REF or duplicate is answered only when cached
-                    handle = store.put_encoded(object_id, enc, timeout=self.heartbeat_s)
-                    channel.publish(handle, timeout=self.heartbeat_s)
+                    channel.publish(store.hand_out_new(object_id, enc, timeout=self.heartbeat_s),
+                                    timeout=self.heartbeat_s)
                 break
             except (Timeout, StoreFull):
                 if self._stop.is_set():

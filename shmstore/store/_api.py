@@ -11,60 +11,48 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from ..handle import Handle
+from ..handle import Handle, HandOut
 
 __all__ = ["WriterAPI"]
 
 
 @runtime_checkable
 class WriterAPI(Protocol):
-    """The calls of a store writer that a cache or a plugin needs, local or remote. One thread
-    at a time; handles stay valid as StoreWriter's docstring says."""
+    """What a store's writer does, for the layers above: hand objects out (as HandOut values,
+    whatever the number of keys: a remote writer batches them itself), take hand-outs back or
+    narrow them, and drop objects. One thread at a time; handles stay valid as StoreWriter's
+    docstring says. StoreWriter offers more (put and get_cached returning a bare Handle,
+    reserve, stats) for code that holds it directly."""
 
     name: str
     n_readers: int
     max_object_bytes: int
 
     @property
-    def handout_seq(self) -> int:
-        """The number of the last hand-out this writer made (put, get_cached, hand_out)."""
-
-    @property
     def closed(self) -> bool:
         """Whether close() was called."""
 
-    def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
-        """Store `obj` under `key` and hand it out once."""
+    def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
+        """Store `obj` (or a serde.Encoded) under `key` and hand it out once."""
 
-    def get_cached(self, key: str | bytes) -> Handle:
-        """Hand the object of `key` out once more; KeyNotCached if it is not cached."""
+    def hand_out_cached(self, keys: Iterable[str | bytes], field: str | None = None
+                        ) -> list[HandOut | None]:
+        """Hand each cached key's object out once more (None for a key not cached); with
+        `field`, HandOut.record holds the bytes under it."""
 
-    def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
-        """get_cached for each cached key in one call: (handle, hand-out number) or None."""
-
-    def peek_cached(self, keys: Iterable[str | bytes], field: str
-                    ) -> list[tuple[Handle, int, bytes | None] | None]:
-        """hand_out_cached, with the bytes under `field` of each object's top-level map."""
-
-    def is_cached(self, key: str | bytes) -> bool:
-        """Whether `key` is cached; no side effect."""
+    def hand_out(self, handle: Handle) -> HandOut:
+        """Hand the object of `handle` out once more."""
 
     def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
-        """is_cached for each of `keys`; no side effect."""
+        """Whether each of `keys` is cached; no side effect."""
 
-    def handle_of(self, key: str | bytes) -> Handle | None:
-        """The handle of `key` without handing it out; None if it is not cached."""
-
-    def object_id(self, key: str | bytes) -> bytes | None:
-        """The 24-byte id of the bytes cached under `key`; None if it is not cached."""
+    def issued(self, key: str | bytes, handout: HandOut) -> bool:
+        """Whether `handout` is one this store made of what it caches under `key` now."""
 
     def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
         """Take back one hand-out of `handle` that no reader will read. wait=False: the call
         may be posted (a remote writer does not wait for it), and a handle gone meanwhile is
         not an error."""
-
-    def hand_out(self, handle: Handle) -> Handle:
-        """Hand the object of `handle` out once more (its number is then `handout_seq`)."""
 
     def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
                wait: bool = True) -> None:

@@ -10,13 +10,14 @@ from collections.abc import Callable, Iterable
 
 from .._proc import int_arg
 from ..errors import StaleHandle
-from ..handle import Handle
+from ..handle import Handle, HandOut
 from ..shm._ordering import Words
 from ..shm._readers import check_reader_index
 from ._index import Entry, Index
+from ._layout import U64
 from ._space import Space
 
-__all__ = ["HandOuts"]
+__all__ = ["HandOuts", "object_id"]
 
 
 class HandOuts:
@@ -93,12 +94,11 @@ class HandOuts:
         self._space.withdraw(entry)
         return True
 
-    def hand_out(self, handle: Handle, done: list[tuple[Entry, int]]) -> Handle:
-        """Hand the object of `handle` out once more (its number is then `seq`)."""
-        self.make(self.live_entry(handle), done)
-        return handle
+    def hand_out(self, handle: Handle, done: list[tuple[Entry, int]]) -> HandOut:
+        """Hand the object of `handle` out once more."""
+        return self.make(self.live_entry(handle), done)
 
-    def hand_out_again(self, handle: Handle) -> Handle:
+    def hand_out_again(self, handle: Handle) -> HandOut:
         """Renumber the last hand-out of `handle` as one made now; StoreWriter.hand_out_again says more."""
         entry = self._handed_out(handle)
         number = self.seq + 1
@@ -106,7 +106,7 @@ class HandOuts:
             self._index.handed_out(entry)
             entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
         self._advance(number)
-        return entry.handle
+        return HandOut(entry.handle, number, object_id(entry))
 
     def live_entry(self, handle: Handle) -> Entry:
         """The live entry of `handle` (indexed or kept by clear for its readers); StaleHandle
@@ -127,13 +127,16 @@ class HandOuts:
                               handle, self.name)
         return entry
 
-    def make(self, entry: Entry, done: list[tuple[Entry, int]]) -> None:
+    def make(self, entry: Entry, done: list[tuple[Entry, int]],
+             record: bytes | None = None) -> HandOut:
+        """Hand `entry` out once (listed in `done`, which the caller undoes if it fails)."""
         number = self.seq + 1
         done.append((entry, number))
         with self._index.lock:  # a scrape sees the new number with the entry listed
             self._index.handed_out(entry)  # first: listed in vain costs a scrape one look
             entry.handouts.append(number)
         self._advance(number)
+        return HandOut(entry.handle, number, object_id(entry), record)
 
     def _advance(self, number: int) -> None:
         self.seq = number
@@ -148,3 +151,8 @@ class HandOuts:
             if number in entry.handouts:
                 entry.narrowed.pop(number, None)
                 entry.handouts.remove(number)
+
+
+def object_id(entry: Entry) -> bytes:
+    """The id of `entry`'s bytes (HandOut.object_id): its key digest and origin seq."""
+    return entry.handle.key_digest + U64.pack(entry.origin)

@@ -5,11 +5,11 @@ in that process. Other processes of the same user on the machine (several API se
 inference server) share the store through the WriterHost the writer's process runs::
 
     writer's process                              another process (RemoteWriter)
-      StoreWriter + lock                            is_cached / get_cached / give_back /
+      StoreWriter + lock                            cached / hand_out_cached / give_back /
       WriterHost thread(s) <--- unix socket --->    hand_out / narrow / end_handouts / ...
                                                       (one round trip each; give_back and
                                                       narrow may be posted: no reply)
-      ring in /dev/shm  <------------------------   put: `begin` lends a chunk of the ring,
+      ring in /dev/shm  <------------------------   hand_out_new: `begin` lends a chunk of the ring,
                                                     the client copies the body straight into
                                                     it, `commit` publishes it (one copy)
 
@@ -43,21 +43,19 @@ from typing import Any
 
 from .._proc import pid_alive
 from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
-from ..handle import Handle
 from ..shm._closeable import Closeable
 from ._wire import (
     MAX_FRAME_BYTES,
-    MAX_KEYS,
     PROTOCOL,
     error_reply,
-    handle_to_wire,
+    handout_to_wire,
     parse_request,
     recv_frame,
     send_frame,
 )
 from ._writer import Lender, StoreWriter
 
-__all__ = ["WriterHost", "host_address", "peer_uid", "readable", "MAX_KEYS"]
+__all__ = ["WriterHost", "host_address", "peer_uid", "readable"]
 
 log = logging.getLogger("shmstore")
 MAX_CLIENTS = 64  # connections one host serves at once
@@ -220,18 +218,12 @@ class WriterHost(Closeable):
         table: dict[str, Callable[[list[Any], Lender], Any]] = {
             "hello": lambda a, _: [PROTOCOL, w.name, w.n_readers, w.max_object_bytes],
             "len": lambda a, _: len(w),
-            "is_cached": lambda a, _: w.is_cached(a[0]),
             "cached": lambda a, _: w.cached(a[0]),
-            "get_cached": lambda a, _: self._handed(a[0], (w.get_cached(a[0]), w.handout_seq)),
-            "hand_out_cached": lambda a, _: [None if found is None else self._handed(key, found)
-                                             for key, found in zip(a[0], w.hand_out_cached(a[0]))],
-            "peek_cached": lambda a, _: [
-                None if found is None else [*self._handed(key, found[:2]), found[2]]
-                for key, found in zip(a[0], w.peek_cached(a[0], a[1]))],
-            "handle_of": lambda a, _: _maybe_handle(w.handle_of(a[0])),
-            "object_id": lambda a, _: w.object_id(a[0]),
+            "hand_out_cached": lambda a, _: [None if found is None else handout_to_wire(found)
+                                             for found in w.hand_out_cached(a[0], a[1])],
+            "hand_out": lambda a, _: handout_to_wire(w.hand_out(a[0])),
+            "issued": lambda a, _: w.issued(a[0], a[1]),
             "give_back": lambda a, _: w.give_back(a[0], a[1]),
-            "hand_out": lambda a, _: (w.hand_out(a[0]), w.handout_seq)[1],
             "narrow": lambda a, _: w.narrow(a[0], a[1], a[2]),
             "end_handouts": lambda a, _: w.end_handouts(a[0]),
             "unread": lambda a, _: list(w.unread(a[0])),
@@ -242,10 +234,6 @@ class WriterHost(Closeable):
             "abandon": self._abandon,
         }
         return table
-
-    def _handed(self, key: str | bytes, made: tuple[Handle, int]) -> list[Any]:
-        """The reply of a hand-out just made: [handle, its number, the object's id]."""
-        return [handle_to_wire(made[0]), made[1], self._writer.object_id(key)]
 
     def _begin(self, args: list[Any], loans: Lender) -> list[int]:
         key, nbytes, crc = args
@@ -262,8 +250,7 @@ class WriterHost(Closeable):
         return loan
 
     def _commit(self, args: list[Any], loans: Lender) -> list[Any]:
-        key, handle = loans.commit(self._lent("commit", args[0], loans))
-        return self._handed(key, (handle, self._writer.handout_seq))
+        return handout_to_wire(loans.commit(self._lent("commit", args[0], loans))[1])
 
     def _abandon(self, args: list[Any], loans: Lender) -> None:
         loans.abandon(self._lent("abandon", args[0], loans))
@@ -284,6 +271,3 @@ class WriterHost(Closeable):
     def closed(self) -> bool:
         return self._listener is None
 
-
-def _maybe_handle(handle: Handle | None) -> list[Any] | None:
-    return None if handle is None else handle_to_wire(handle)

@@ -14,18 +14,19 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import (
     Closed,
     IncompatibleSegment,
     InvalidArgument,
+    KeyNotCached,
     ProtocolError,
     SegmentNotFound,
     ShmStoreError,
     WrongProcess,
 )
-from ..handle import Handle, check_key
+from ..handle import Handle, HandOut, check_key
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
 from ..shm._readers import check_reader_index
@@ -41,8 +42,7 @@ from ._wire import (
     OPS,
     PROTOCOL,
     check_field,
-    handle_from_wire,
-    int_list,
+    handout_from_wire,
     rebuild_error,
     recv_frame,
     request,
@@ -56,10 +56,9 @@ log = logging.getLogger("shmstore")
 
 class RemoteWriter(Closeable):
     """The writer of store `name`, called from another process of the same user through the
-    writer process's WriterHost. Offers the writer's calls a cache needs (put, get_cached,
-    give_back, hand_out, narrow, end_handouts, unread, withdraw, clear, is_cached, handle_of,
-    object_id); `handout_seq` is the number of the last hand-out this client made. One thread
-    at a time (a lock of the caller's)."""
+    writer process's WriterHost: WriterAPI (hand-outs as HandOut values, any number of keys:
+    batches of MAX_KEYS go in one round trip each), and put, get_cached and is_cached as
+    StoreWriter has them. One thread at a time (a lock of the caller's)."""
 
     _sock: socket.socket | None = None
     _ring: ShmRingBuffer | None = None
@@ -69,9 +68,7 @@ class RemoteWriter(Closeable):
     def __init__(self, name: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self._io = threading.RLock()  # one exchange on the socket at a time (and the watcher)
         self.name = name
-        self.handout_seq = 0
         self._pid = os.getpid()
-        self._last_id: tuple[str | bytes, bytes | None] | None = None  # (key, its object id)
         deadline = Deadline(connect_timeout_s)
         while True:  # the store's epoch names its host's socket: map the ring first
             why = self._connect(name)
@@ -172,70 +169,56 @@ class RemoteWriter(Closeable):
 
     # -- the writer's calls ------------------------------------------------------------------
 
-    def is_cached(self, key: str | bytes) -> bool:
-        return bool(self._call("is_cached", key))
-
     def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
-        """is_cached for each of `keys`, in one round trip per MAX_KEYS keys."""
+        """Whether each of `keys` is cached, in one round trip per MAX_KEYS keys."""
         keys = list(keys)
         return [bool(v) for i in range(0, len(keys), MAX_KEYS)
                 for v in self._call("cached", keys[i:i + MAX_KEYS])]
 
+    def is_cached(self, key: str | bytes) -> bool:
+        return self.cached([key])[0]
+
     def __len__(self) -> int:
         return int(self._call("len"))
 
-    def get_cached(self, key: str | bytes) -> Handle:
-        handle, self.handout_seq, object_id = self._call("get_cached", key)
-        self._last_id = (key, object_id)
-        return handle_from_wire(handle)
-
-    def handle_of(self, key: str | bytes) -> Handle | None:
-        found = self._call("handle_of", key)
-        return None if found is None else handle_from_wire(found)
-
-    def object_id(self, key: str | bytes) -> bytes | None:
-        """The object id of `key`: that of the last get_cached or put if it was `key` (no
-        round trip), else the host's."""
-        if self._last_id is not None and self._last_id[0] == key:
-            return self._last_id[1]
-        found = self._call("object_id", key)
-        return None if found is None else bytes(found)
-
-    def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
-        """get_cached for each of `keys` that is cached, in one round trip: (its handle, the
-        hand-out's number), or None for a key that is not cached."""
-        return [None if f is None else (f[0], f[1])
-                for f in self._hand_outs("hand_out_cached", list(keys))]
-
-    def peek_cached(self, keys: Iterable[str | bytes], field: str
-                    ) -> list[tuple[Handle, int, bytes | None] | None]:
-        """As StoreWriter.peek_cached, in one round trip."""
-        return self._hand_outs("peek_cached", list(keys), check_field(field))
-
-    def _hand_outs(self, op: str, keys: list[str | bytes], *extra: Any
-                   ) -> list[tuple[Handle, int, bytes | None] | None]:
-        if len(keys) > MAX_KEYS:
-            raise InvalidArgument(f"{op} takes at most {MAX_KEYS} keys at once, got "
-                                  f"{len(keys)}: split them", "keys", len(keys))
+    def hand_out_cached(self, keys: Iterable[str | bytes], field: str | None = None
+                        ) -> list[HandOut | None]:
+        """As StoreWriter.hand_out_cached, in one round trip per MAX_KEYS keys (each batch is
+        all or nothing; every key is checked before the first is sent)."""
+        keys = list(keys)
         for key in keys:
             check_key(key)
-        found = self._call(op, keys, *extra)
-        width = 4 if extra else 3
-        if (not isinstance(found, list) or len(found) != len(keys)
-                or any(f is not None and (not isinstance(f, list) or len(f) != width)
-                       for f in found)
-                or (extra and any(f is not None and not _peeked(f[3]) for f in found))):
-            self.close()
-            raise Closed(f"the host of store {self.name!r} sent a malformed reply")
-        out: list[tuple[Handle, int, bytes | None] | None] = []
-        for key, f in zip(keys, found, strict=True):
-            if f is None:
-                out.append(None)
-                continue
-            number = int_list([f[1]], "number")[0]
-            out.append((handle_from_wire(f[0]), number, f[3] if extra else None))
-            self.handout_seq, self._last_id = number, (key, f[2])
+        if field is not None:
+            check_field(field)
+        out: list[HandOut | None] = []
+        for i in range(0, len(keys), MAX_KEYS):
+            batch = keys[i:i + MAX_KEYS]
+            found = self._call("hand_out_cached", batch, field)
+            if not isinstance(found, list) or len(found) != len(batch):
+                self._malformed()
+            out.extend(None if f is None else self._handout(f) for f in found)
         return out
+
+    def get_cached(self, key: str | bytes) -> Handle:
+        """As StoreWriter.get_cached (KeyNotCached if `key` is not cached)."""
+        found = self.hand_out_cached([key])[0]
+        if found is None:
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
+                               "or cleared): put it again", key)
+        return found.handle
+
+    def issued(self, key: str | bytes, handout: HandOut) -> bool:
+        return bool(self._call("issued", key, handout))
+
+    def _handout(self, words: Any) -> HandOut:
+        try:
+            return handout_from_wire(words, MAX_PEEK_BYTES)
+        except ProtocolError:
+            self._malformed()
+
+    def _malformed(self) -> NoReturn:
+        self.close()
+        raise Closed(f"the host of store {self.name!r} sent a malformed reply")
 
     def give_back(self, handle: Handle, number: int | None = None, *, wait: bool = True) -> None:
         """As StoreWriter.give_back. wait=False sends it without waiting: the host gives it
@@ -245,9 +228,8 @@ class RemoteWriter(Closeable):
         else:
             self._post("give_back", handle, number)
 
-    def hand_out(self, handle: Handle) -> Handle:
-        self.handout_seq = self._call("hand_out", handle)
-        return handle
+    def hand_out(self, handle: Handle) -> HandOut:
+        return self._handout(self._call("hand_out", handle))
 
     def narrow(self, handle: Handle, number: int, readers: Iterable[int], *,
                wait: bool = True) -> None:
@@ -275,20 +257,24 @@ class RemoteWriter(Closeable):
         return bool(self._call("withdraw", handle))
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
-        self._last_id = None
         self._call("clear", keep_handed_out)
 
     def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
         """Store `obj` as StoreWriter.put does (timeout 0 only: the host never waits)."""
+        return self.hand_out_new(key, obj, timeout).handle
+
+    def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
+        """As StoreWriter.hand_out_new (timeout 0 only: the host never waits). The body is
+        copied once, straight into the chunk the host lends."""
         if timeout != 0:
             raise InvalidArgument("a remote put does not wait: pass timeout=0", "timeout",
                                   timeout)
         check_key(key)
-        enc: Encoded = encode(obj)
+        enc: Encoded = obj if isinstance(obj, Encoded) else encode(obj)
         with self._io:  # the ring stays mapped from the loan to its commit
             return self._put(key, enc)
 
-    def _put(self, key: str | bytes, enc: Encoded) -> Handle:
+    def _put(self, key: str | bytes, enc: Encoded) -> HandOut:
         loan, offset = self._call("begin", key, enc.nbytes, enc.structure_crc)
         ring = self._ring
         try:
@@ -303,9 +289,7 @@ class RemoteWriter(Closeable):
             with contextlib.suppress(ShmStoreError):
                 self._call("abandon", loan)
             raise
-        handle, self.handout_seq, object_id = self._call("commit", loan)
-        self._last_id = (key, object_id)
-        return handle_from_wire(handle)
+        return self._handout(self._call("commit", loan))
 
     @property
     def closed(self) -> bool:
@@ -375,6 +359,3 @@ if TYPE_CHECKING:  # mypy checks that RemoteWriter meets the one writer interfac
 
     _MEETS_WRITER_API: type[WriterAPI] = RemoteWriter
 
-
-def _peeked(record: Any) -> bool:
-    return record is None or (type(record) is bytes and len(record) <= MAX_PEEK_BYTES)

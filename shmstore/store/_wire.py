@@ -23,11 +23,14 @@ writer for numbers it does not have):
     key       str or bytes, checked by check_key
     keys      a list of at most MAX_KEYS keys, all checked before anything runs
     handle    a list of 4: [address, seq, key digest, epoch], rebuilt as a Handle
+    handout   a list of 4: [handle, number, object id, record or None], rebuilt as a HandOut
+              (also how every reply carries one)
     number    an int in [-2**63, 2**64)
     number?   a number or None
     numbers   a list of numbers
     groups    a list of [handle, numbers]
     flag      a bool
+    field?    None, or the name of a peeked field (a str of 1 to MAX_FIELD_CHARS)
 """
 
 from __future__ import annotations
@@ -54,16 +57,17 @@ from ..errors import (
     StaleHandle,
     StoreFull,
 )
-from ..handle import Handle, check_key
+from ..handle import OBJECT_ID_BYTES, Handle, HandOut, check_key
 
 __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GROUPS", "OPS",
            "POSTABLE", "ERRORS", "check_field",
            "Op", "send_frame", "recv_frame", "request", "parse_request", "handle_to_wire",
-           "handle_from_wire", "int_list", "error_reply", "rebuild_error"]
+           "handle_from_wire", "handout_to_wire", "handout_from_wire", "int_list", "error_reply",
+           "rebuild_error"]
 
-PROTOCOL = 3
+PROTOCOL = 4
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
-MAX_KEYS = 1024  # keys in one hand_out_cached, peek_cached or cached call
+MAX_KEYS = 1024  # keys in one hand_out_cached or cached frame (RemoteWriter splits longer lists)
 MAX_PEEK_BYTES = 768  # a peeked record: MAX_KEYS of them with their hand-outs fit a frame
 MAX_FIELD_CHARS = 64  # the name of a peeked field
 MAX_GROUPS = 4096  # (handle, numbers) groups in one end_handouts frame; the client splits
@@ -71,8 +75,9 @@ MAX_ERROR_CHARS = 4096  # an error message is cut here (a key quoted in it may b
 MAX_FIELD_BYTES = 4096  # an error's str/bytes attribute longer than this goes as None
 LENGTH = struct.Struct("<I")
 
-KEY, KEYS, HANDLE, NUMBER, MAYBE_NUMBER, NUMBERS, GROUPS, FLAG, FIELD = (
-    "key", "keys", "handle", "number", "number?", "numbers", "groups", "flag", "field")
+KEY, KEYS, HANDLE, HANDOUT, NUMBER, MAYBE_NUMBER, NUMBERS, GROUPS, FLAG, MAYBE_FIELD = (
+    "key", "keys", "handle", "handout", "number", "number?", "numbers", "groups", "flag",
+    "field?")
 
 
 @dataclass(frozen=True)
@@ -86,22 +91,18 @@ class Op:
 OPS: dict[str, Op] = {
     "hello": Op(),  # -> [protocol, name, n_readers, max_object_bytes]
     "len": Op(),
-    "is_cached": Op((KEY,)),
     "cached": Op((KEYS,)),
-    "get_cached": Op((KEY,)),  # -> [handle, hand-out number, object id]
-    "hand_out_cached": Op((KEYS,)),  # -> per key: [handle, number, object id] or None
-    "peek_cached": Op((KEYS, FIELD)),  # -> per key: [handle, number, object id, bytes?] or None
-    "handle_of": Op((KEY,)),
-    "object_id": Op((KEY,)),
+    "hand_out_cached": Op((KEYS, MAYBE_FIELD)),  # -> per key: a hand-out, or None
+    "hand_out": Op((HANDLE,)),  # -> a hand-out
+    "issued": Op((KEY, HANDOUT)),
     "give_back": Op((HANDLE, MAYBE_NUMBER), postable=True),
-    "hand_out": Op((HANDLE,)),  # -> hand-out number
     "narrow": Op((HANDLE, NUMBER, NUMBERS), postable=True),
     "end_handouts": Op((GROUPS,)),
     "unread": Op((HANDLE,)),
     "withdraw": Op((HANDLE,)),
     "clear": Op((FLAG,)),
     "begin": Op((KEY, NUMBER, NUMBER)),  # key, body bytes, structure crc -> [loan, offset]
-    "commit": Op((NUMBER,)),  # loan -> [handle, number, object id]
+    "commit": Op((NUMBER,)),  # loan -> a hand-out
     "abandon": Op((NUMBER,)),  # loan
 }
 POSTABLE = tuple(name for name, op in OPS.items() if op.postable)
@@ -178,6 +179,25 @@ def handle_from_wire(words: Any) -> Handle:
         raise ProtocolError(f"bad handle: {exc}") from None
 
 
+def handout_to_wire(handout: HandOut) -> list[Any]:
+    return [handle_to_wire(handout.handle), handout.number, handout.object_id, handout.record]
+
+
+def handout_from_wire(words: Any, max_record: int) -> HandOut:
+    """A hand-out as the other side sent it (ProtocolError: that side is not ours): a number
+    >= 1, an object id of OBJECT_ID_BYTES and a record of at most `max_record` bytes."""
+    if not isinstance(words, list) or len(words) != 4:
+        raise ProtocolError("a hand-out is 4 fields")
+    handle, number, object_id, record = words
+    if type(number) is not int or not 0 < number < 1 << 64:
+        raise ProtocolError("a hand-out's number is an int in [1, 2**64)")
+    if type(object_id) is not bytes or len(object_id) != OBJECT_ID_BYTES:
+        raise ProtocolError(f"a hand-out's object id is {OBJECT_ID_BYTES} bytes")
+    if record is not None and (type(record) is not bytes or len(record) > max_record):
+        raise ProtocolError(f"a hand-out's record is None or at most {max_record} bytes")
+    return HandOut(handle_from_wire(handle), number, object_id, record)
+
+
 def int_list(values: Any, what: str) -> list[int]:
     """A reply's list of non-negative ints (ProtocolError: the host is not ours)."""
     if not isinstance(values, list) or any(type(v) is not int or v < 0 for v in values):
@@ -229,10 +249,22 @@ def check_field(field: Any) -> str:
     return field
 
 
-def _field(value: Any) -> str:
+def _maybe_field(value: Any) -> str | None:
+    if value is None:
+        return None
     if type(value) is not str or len(value) > MAX_FIELD_CHARS:
-        raise ProtocolError(f"a field is a str of at most {MAX_FIELD_CHARS} characters")
+        raise ProtocolError(f"a field is None or a str of at most {MAX_FIELD_CHARS} characters")
     return check_field(value)  # an empty one is answered (InvalidArgument)
+
+
+def _handout_arg(value: Any) -> HandOut:
+    """A hand-out argument (to ask whether the store issued it): any number, shape checked."""
+    if not isinstance(value, list) or len(value) != 4:
+        raise ProtocolError("a hand-out is a list of 4 fields")
+    handle, number, object_id, record = value
+    if type(object_id) is not bytes or record is not None:
+        raise ProtocolError("a hand-out asked about: [handle, number, object id bytes, None]")
+    return HandOut(_handle_arg(handle), _number(number), object_id)
 
 
 def _flag(value: Any) -> bool:
@@ -250,7 +282,8 @@ _FROM_WIRE: dict[str, Callable[[Any], Any]] = {
     NUMBERS: _numbers,
     GROUPS: _groups,
     FLAG: _flag,
-    FIELD: _field,
+    MAYBE_FIELD: _maybe_field,
+    HANDOUT: _handout_arg,
 }
 def _number_out(value: Any) -> int:
     """A number the caller passed, as the wire carries it: a bool, a float or a str is the
@@ -267,6 +300,8 @@ _TO_WIRE: dict[str, Callable[[Any], Any]] = {
     NUMBERS: lambda values: [_number_out(v) for v in values],
     GROUPS: lambda groups: [[handle_to_wire(h), list(n)] for h, n in groups],
     FLAG: bool,
+    HANDOUT: lambda h: [handle_to_wire(h.handle), _number_out(h.number), bytes(h.object_id),
+                        None],
 }
 
 

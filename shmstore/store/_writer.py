@@ -12,7 +12,9 @@ Exception safety: an exception may surface between any two statements (a signal 
 raises, a KeyboardInterrupt). Every writer operation is written so that each prefix of it is a
 state the next operation accepts: a chunk the ring holds but no object owns is freed on the next
 reclaim; an entry marked not live is dropped from the index by the next lookup; a hand-out whose
-handle never reached the caller is taken back. The writer never re-reads from shared memory what
+HandOut never reached the caller is taken back. That last rule has one mechanism: every call
+that hands out is a `hands_out` method (below), which holds the writer and takes back what the
+call handed out if anything raises before it returns. The writer never re-reads from shared memory what
 it wrote (chunk sizes, seqs, key digests live in its own records), so damaged shared bytes can
 mislead readers (who fail loudly) but not the writer; a damaged object that blocks the writer is
 dropped and counted (damaged_objects).
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 
@@ -40,7 +43,7 @@ from ..errors import (
     Timeout,
     WrongThread,
 )
-from ..handle import Handle, check_key, key_digest
+from ..handle import Handle, HandOut, check_key, key_digest
 from ..serde._codec import Encoded, blank_key, encode
 from ..serde._decode import peek
 from ..shm._closeable import CallGuard
@@ -49,7 +52,7 @@ from ..shm._ring import RingWriter
 from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline, checked_wait, wait_until
 from ._base import StoreBase, StoreStats
-from ._handouts import HandOuts
+from ._handouts import HandOuts, object_id
 from ._index import Entry, Index
 from ._layout import META_HANDOUT_SEQ, OBJECT_HEADER, ROW_CORRUPT_READS, U64
 from ._ledger import ReaderLedger
@@ -60,7 +63,9 @@ from ._wire import MAX_PEEK_BYTES, check_field
 __all__ = ["StoreWriter", "Reservation", "Lender"]
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-_Found = TypeVar("_Found")  # what one key of a hand-out call gives
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+Done = list[tuple[Entry, int]]  # the hand-outs a call made so far: taken back if it fails
 
 
 def one_thread(method: _Method) -> _Method:
@@ -73,15 +78,47 @@ def one_thread(method: _Method) -> _Method:
         return method(self, *args, **kwargs)
     return cast(_Method, call)
 
+def hands_out(method: Callable[Concatenate[StoreWriter, Done, _Params], _Result]
+              ) -> Callable[Concatenate[StoreWriter, _Params], _Result]:
+    """A writer call that hands out: it holds the writer (one thread at a time, close waits
+    for it) and gets a fresh `done` list that HandOuts.make fills; if an exception surfaces
+    anywhere before the call has returned (in it, in the guard's bookkeeping, from a signal
+    handler), every hand-out in `done` is taken back, so a HandOut the caller never got owes
+    no reader anything. The one mechanism of the writer's exception safety for hand-outs."""
+    def call(self: StoreWriter, /, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        done: Done = []
+        try:
+            self._guard_enter()
+            try:
+                return method(self, done, *args, **kwargs)
+            finally:
+                self._guard_leave()
+        except BaseException:
+            HandOuts.undo(done)
+            raise
+    functools.update_wrapper(call, method)
+    del call.__wrapped__  # type: ignore[attr-defined]
+    signature = inspect.signature(method)
+    params = list(signature.parameters.values())
+    call.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[params[0], *params[2:]])  # without `done`: what callers pass
+    return call
+
+
 STATS_TRIES = 100  # stats() from another thread reads again if a put tore its snapshot
 
 
 class Reservation:
-    """What `StoreWriter.reserve` yields: the writable arrays/tensors, then the handle."""
+    """What `StoreWriter.reserve` yields: the writable arrays/tensors, then the hand-out."""
 
     def __init__(self, views: list[tuple[tuple[Any, ...], Any]]) -> None:
         self.arrays: dict[Any, Any] = {blank_key(path): view for path, view in views}
-        self.handle: Handle | None = None  # set when the block ends without an exception
+        self.handout: HandOut | None = None  # set when the block ends without an exception
+
+    @property
+    def handle(self) -> Handle | None:
+        """The stored object's handle once the block ended without an exception."""
+        return None if self.handout is None else self.handout.handle
 
     def _seal(self) -> None:
         for view in self.arrays.values():
@@ -191,24 +228,29 @@ class StoreWriter(StoreBase):
         check_key(key)
         return self.put_encoded(key, encode(obj), timeout)
 
-    def put_encoded(self, key: str | bytes, enc: Encoded, timeout: float | None = 0) -> Handle:
+    @hands_out
+    def put_encoded(self, done: Done, key: str | bytes, enc: Encoded,
+                    timeout: float | None = 0) -> Handle:
         """put() of a value already encoded with serde.encode (no second walk over it)."""
-        done: list[tuple[Entry, int]] = []
-        try:
-            self._guard_enter()
-            try:
-                return self._put(key, enc, checked_wait(timeout), done)
-            finally:
-                self._guard_leave()
-        except BaseException:
-            HandOuts.undo(done)
-            raise
+        return self._put(key, enc, checked_wait(timeout), done).handle
+
+    def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
+        """put(), returning the HandOut (its number and object id with the handle); `obj` may
+        also be a value already encoded with serde.encode."""
+        check_key(key)
+        return self._hand_out_new(key, obj if isinstance(obj, Encoded) else encode(obj),
+                                  timeout)
+
+    @hands_out
+    def _hand_out_new(self, done: Done, key: str | bytes, enc: Encoded,
+                      timeout: float | None) -> HandOut:
+        return self._put(key, enc, checked_wait(timeout), done)
 
     @contextmanager
     def reserve(self, key: str | bytes, template: Any,
                 timeout: float | None = 0) -> Iterator[Reservation]:
         """Make room for `template` and let the caller write its arrays in place; store it on
-        exit (`.handle`), or not at all if the block raises.
+        exit (`.handout`, `.handle`), or not at all if the block raises.
 
         `template` is any value put() accepts in which arrays/tensors still to be computed are
         `Blank(shape, dtype)` (torch: `Blank(shape, dtype, torch=True)`). Inside the block,
@@ -224,96 +266,71 @@ class StoreWriter(StoreBase):
         """
         check_key(key)
         enc = encode(template, root="template", blanks=True)
-        done: list[tuple[Entry, int]] = []
         entry: Entry | None = None
+        reservation: Reservation | None = None
         try:
-            self._guard_enter()
-            try:
+            with self._call():  # the whole block: close() waits before it unmaps the views
                 entry = self._begin(key, enc, checked_wait(timeout))
                 entry.reserved = True  # from here the user writes into it: not reclaimable
                 payload = self._writer_ring.payload(entry.chunk)[self._header_bytes:]
                 enc.write_into(payload)
                 reservation = Reservation(enc.blank_views(payload))
-                try:
-                    yield reservation
-                    reservation.handle = self._commit(entry, done)
-                finally:
-                    reservation._seal()
-            finally:
-                self._guard_leave()
+                yield reservation
+                reservation._seal()
+            # last: nothing of reserve runs after the hand-out is made (see hands_out)
+            self._publish(entry, reservation)
         except BaseException:
-            HandOuts.undo(done)
+            if reservation is not None:
+                reservation._seal()
             if entry is not None:
-                entry.reserved = False  # an orphan now: freed when the ring reaches it
+                entry.reserved = False  # an orphan now (unless published): freed in turn
             raise
 
-    def get_cached(self, key: str | bytes) -> Handle:
+    @hands_out
+    def get_cached(self, done: Done, key: str | bytes) -> Handle:
         """Hand the object of `key` out once more (one more read owed by every reader).
 
         Raises:
             KeyNotCached: the key was never put or has been evicted (put it again).
         """
         check_key(key)
-        done: list[tuple[Entry, int]] = []
-        try:  # to the return: a hand-out whose handle never reached the caller is taken back
-            self._guard_enter()  # not _call(): the hit path, no generator per call
-            try:
-                found = self._hit(key, done)
-                if found is None:
-                    raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
-                                       "evicted or cleared): put it again", key)
-                return found[0]
-            finally:
-                self._guard_leave()
-        except BaseException:
-            HandOuts.undo(done)
-            raise
+        found = self._hit(key, done)
+        if found is None:
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
+                               "evicted or cleared): put it again", key)
+        return found.handle
 
-    def hand_out_cached(self, keys: Iterable[str | bytes]) -> list[tuple[Handle, int] | None]:
-        """get_cached for each of `keys` that is cached, in one call: (its handle, the
-        hand-out's number), or None for a key that is not cached. Every key is checked before
-        anything is handed out, and a call cut short by an exception hands out nothing.
+    def hand_out_cached(self, keys: Iterable[str | bytes], field: str | None = None
+                        ) -> list[HandOut | None]:
+        """get_cached for each of `keys` that is cached, in one call: its HandOut, or None for
+        a key that is not cached. Every key is checked before anything is handed out, and a
+        call cut short by an exception hands out nothing.
 
-        Raises:
-            InvalidKey: a key that is not a non-empty str or bytes (nothing was handed out).
-        """
-        return self._hand_outs(keys, self._hit)
-
-    def peek_cached(self, keys: Iterable[str | bytes], field: str
-                    ) -> list[tuple[Handle, int, bytes | None] | None]:
-        """hand_out_cached, and for each hand-out the bytes under `field` of the object's
-        top-level map (a small record stored beside the arrays: the structure is read and its
-        CRC checked, no array is touched). The bytes are None when the object has no such
-        field or it is over MAX_PEEK_BYTES. An object whose structure is damaged is not handed
-        out (None, as if not cached): its readers would give it up.
+        `field`: also read the bytes under `field` of each object's top-level map into
+        HandOut.record (a small record stored beside the arrays: the structure is read and
+        its CRC checked, no array is touched). The record is None when the object has no
+        such field or it is over MAX_PEEK_BYTES. An object whose structure is damaged is not
+        handed out (None, as if not cached): its readers would give it up.
 
         Raises:
             InvalidKey: a key that is not a non-empty str or bytes (nothing was handed out).
             InvalidArgument: `field` is not a str of 1 to 64 characters.
         """
-        check_field(field)
-        return self._hand_outs(keys, functools.partial(self._peeked_hit, field=field))
-
-    def _hand_outs(self, keys: Iterable[str | bytes],
-                   hit: Callable[[str | bytes, list[tuple[Entry, int]]], _Found | None]
-                   ) -> list[_Found | None]:
-        """`hit(key, done)` for each key, all keys checked first; undone if cut short."""
         keys = list(keys)
         for key in keys:
             check_key(key)
-        done: list[tuple[Entry, int]] = []
-        try:
-            self._guard_enter()
-            try:
-                return [hit(key, done) for key in keys]
-            finally:
-                self._guard_leave()
-        except BaseException:
-            HandOuts.undo(done)
-            raise
+        if field is not None:
+            check_field(field)
+        return self._hand_outs(keys, field)
 
-    def _peeked_hit(self, key: str | bytes, done: list[tuple[Entry, int]], field: str
-                    ) -> tuple[Handle, int, bytes | None] | None:
+    @hands_out
+    def _hand_outs(self, done: Done, keys: list[str | bytes], field: str | None
+                   ) -> list[HandOut | None]:
+        if field is None:
+            return [self._hit(key, done) for key in keys]
+        return [self._peeked_hit(key, done, field) for key in keys]
+
+    def _peeked_hit(self, key: str | bytes, done: Done, field: str) -> HandOut | None:
         entry = self._index.lookup(key)
         if entry is None or self._space.damaged_in_shm(entry):
             return None
@@ -324,19 +341,18 @@ class StoreWriter(StoreBase):
                           crc_suffix=U64.pack(entry.nbytes), max_bytes=MAX_PEEK_BYTES)
         except CorruptObject:
             return None
-        handle, number = self._hit_entry(entry, done)
-        return handle, number, record
+        return self._hit_entry(entry, done, record)
 
-    def _hit(self, key: str | bytes, done: list[tuple[Entry, int]]) -> tuple[Handle, int] | None:
+    def _hit(self, key: str | bytes, done: Done) -> HandOut | None:
         entry = self._index.lookup(key)
         return None if entry is None else self._hit_entry(entry, done)
 
-    def _hit_entry(self, entry: Entry, done: list[tuple[Entry, int]]) -> tuple[Handle, int]:
-        self._handouts.make(entry, done)
+    def _hit_entry(self, entry: Entry, done: Done, record: bytes | None = None) -> HandOut:
+        handout = self._handouts.make(entry, done, record)
         self._policy.requested(entry.key, entry.chunk.chunk_bytes)
         entry.uses = self._policy.hit(entry.uses)
         self._hits += 1
-        return entry.handle, self._handouts.seq
+        return handout
 
     @one_thread
     def cached(self, keys: Iterable[str | bytes]) -> list[bool]:
@@ -361,11 +377,22 @@ class StoreWriter(StoreBase):
     @one_thread
     def object_id(self, key: str | bytes) -> bytes | None:
         """The id of the cached object of `key` (key digest + origin seq, 24 bytes, as
-        StoredBody.object_id), None if it is not cached: the key a relay node stores these
-        bytes under. No side effect."""
+        StoredBody.object_id and HandOut.object_id), None if it is not cached: the key a relay
+        node stores these bytes under. No side effect."""
         self._guard_check()
         entry = self._index.lookup(key)
-        return None if entry is None else entry.handle.key_digest + U64.pack(entry.origin)
+        return None if entry is None else object_id(entry)
+
+    @one_thread
+    def issued(self, key: str | bytes, handout: HandOut) -> bool:
+        """Whether `handout` (arrived from elsewhere: a client, another process) is one this
+        store made of the object it caches under `key` now: the same handle and object id,
+        and a number it has handed out. No side effect."""
+        self._guard_check()
+        entry = self._index.lookup(key)
+        return (entry is not None and handout.handle == entry.handle
+                and handout.object_id == object_id(entry)
+                and type(handout.number) is int and 0 < handout.number <= self._handouts.seq)
 
     @one_thread
     def object_bytes(self, key: str | bytes) -> int:
@@ -380,7 +407,7 @@ class StoreWriter(StoreBase):
 
     @property
     def handout_seq(self) -> int:
-        """The number of the last hand-out (put or get_cached)."""
+        """The number of the last hand-out this store made (every HandOut has its own)."""
         return self._handouts.seq
 
     @one_thread
@@ -455,23 +482,19 @@ class StoreWriter(StoreBase):
         with self._call():
             return self._handouts.withdraw(handle)
 
-    def hand_out(self, handle: Handle) -> Handle:
+    @hands_out
+    def hand_out(self, done: Done, handle: Handle) -> HandOut:
         """Hand the object of `handle` out once more (one more read owed by every reader), as
         get_cached does by key; also for an object clear(keep_handed_out=True) kept for its
-        readers. Not counted as a hit. The new hand-out's number is `handout_seq`.
+        readers. Not counted as a hit.
 
         Raises:
             StaleHandle: the object is gone (reclaimed, withdrawn or cleared).
         """
-        done: list[tuple[Entry, int]] = []
-        try:
-            with self._call():
-                return self._handouts.hand_out(handle, done)
-        except BaseException:
-            HandOuts.undo(done)
-            raise
+        return self._handouts.hand_out(handle, done)
 
-    def hand_out_again(self, handle: Handle) -> Handle:
+    @hands_out
+    def hand_out_again(self, done: Done, handle: Handle) -> HandOut:
         """Replace one hand-out of `handle` by one made now (the next hand-out number), for a
         writer that publishes its hand-outs in order (ChannelWriter.publish) and kept this one
         a while before sending it (against eviction). Neither a hit nor a give-back.
@@ -479,8 +502,7 @@ class StoreWriter(StoreBase):
         Raises:
             StaleHandle: as give_back.
         """
-        with self._call():
-            return self._handouts.hand_out_again(handle)
+        return self._handouts.hand_out_again(handle)
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
         """Forget every key: the store is empty to lookups and puts from now on.
@@ -559,7 +581,7 @@ class StoreWriter(StoreBase):
     # -- put and hand-outs -------------------------------------------------------------------
 
     def _put(self, key: str | bytes, enc: Encoded, wait: Deadline | float | None,
-             done: list[tuple[Entry, int]]) -> Handle:
+             done: Done) -> HandOut:
         entry = self._begin(key, enc, wait)
         enc.write_into(self._writer_ring.payload(entry.chunk)[self._header_bytes:])
         return self._commit(entry, done)
@@ -588,7 +610,7 @@ class StoreWriter(StoreBase):
         chunk.owner = entry  # not live: if we stop before _commit, the chunk is an orphan
         return entry
 
-    def _commit(self, entry: Entry, done: list[tuple[Entry, int]]) -> Handle:
+    def _commit(self, entry: Entry, done: Done) -> HandOut:
         """Publish a reserved entry: index it and hand it out once."""
         if self._index.lookup(entry.key, checked=True) is not None:  # put inside a reserve block
             raise KeyExists(f"key {entry.key!r} was put into store {self.name!r} while it was "
@@ -600,8 +622,17 @@ class StoreWriter(StoreBase):
         entry.uses = self._policy.admitted(entry.key)
         entry.live = True
         self._puts += 1
-        self._handouts.make(entry, done)
-        return entry.handle
+        return self._handouts.make(entry, done)
+
+    @hands_out
+    def _publish(self, done: Done, entry: Entry, reservation: Reservation | None = None
+                 ) -> HandOut:
+        """Commit a reserved entry whose body is written (reserve, Lender.commit); the hand-out
+        goes into `reservation` here, inside the call, so that it never exists unowned."""
+        handout = self._commit(entry, done)
+        if reservation is not None:
+            reservation.handout = handout
+        return handout
 
 
 class Lender:
@@ -636,27 +667,23 @@ class Lender:
             entry.reserved = True  # another process writes into it: not reclaimable
         return entry.chunk.seq, entry.chunk.address + ALIGN_BYTES + w._header_bytes
 
-    def commit(self, loan: int) -> tuple[str | bytes, Handle]:
+    def commit(self, loan: int) -> tuple[str | bytes, HandOut]:
         """Publish lent object `loan` once its body is written: index it and hand it out
-        once; (its key, its handle).
+        once; (its key, the hand-out).
 
         Raises:
             KeyError: no such loan.
             KeyExists: the key was put meanwhile (the room is given back).
         """
         entry = self._loans[loan]
-        w = self._writer
-        done: list[tuple[Entry, int]] = []
         try:
-            with w._call():
-                handle = w._commit(entry, done)
+            handout = self._writer._publish(entry)
         except BaseException:
-            HandOuts.undo(done)
             entry.reserved = False
             self._loans.pop(loan, None)
             raise
         self._loans.pop(loan, None)  # committed: no longer reserved (close() may still see it)
-        return entry.key, handle
+        return entry.key, handout
 
     def abandon(self, loan: int) -> None:
         """Give the room of `loan` back (KeyError: no such loan): an orphan chunk now, freed

@@ -2,9 +2,10 @@
 replace them on the way to the workers.
 
 The handle item carries an `address` field (vLLM keeps items with one when prefix caching strips
-covered data, so every hand-out reaches the workers and is counted) and `shmstore_handle`, the
-Handle's fields and the object's origin seq as six ints (they survive vLLM's msgpack round
-trip; the origin seq lets a worker on another node find its relay's copy).
+covered data, so every hand-out reaches the workers and is counted) and `shmstore_handle`: one
+HandOut (handle, object id, number) as seven ints, which survive vLLM's msgpack round trip (the
+object id lets a worker on another node find its relay's copy). `handle_item` writes them and
+`handout_from_item` reads them back, both by name (HANDLE_WORDS); nothing else reads the words.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..errors import (
     CorruptObject,
     InvalidHandle,
 )
-from ..handle import Handle
+from ..handle import Handle, HandOut
 from ._vllm import (
     MultiModalBatchedField,
     MultiModalFieldConfig,
@@ -26,11 +27,13 @@ from ._vllm import (
 )
 
 __all__ = ["HANDLE_FIELD", "HANDLE_WORDS", "item_to_value", "value_to_item", "handle_item",
-           "handout_number", "object_id_from_item", "handle_from_item"]
+           "handout_from_item", "handout_number"]
 
 
 HANDLE_FIELD = "shmstore_handle"
-HANDLE_WORDS = 7  # address, seq, key digest (2 words), epoch, origin seq, hand-out number
+# the words of a handle item, in order: the Handle's fields (its key digest as two words), then
+# the rest of the object id (the origin seq; the digest is its first 16 bytes), then the number
+HANDLE_WORDS = ("address", "seq", "digest_low", "digest_high", "epoch", "origin", "number")
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}
 
@@ -82,56 +85,47 @@ def value_to_item(value: Any) -> MultiModalKwargsItem:
         raise CorruptObject(f"stored vLLM item is not valid: {type(exc).__name__}: {exc}") from None
 
 
-def handle_item(handle: Handle, object_id: bytes, number: int) -> MultiModalKwargsItem:
-    """The item a worker gets instead of the data: `handle`, the object's id, and the number of
-    this hand-out (a worker counts each hand-out it reads for a request once)."""
-    words = [handle.address, handle.seq, int.from_bytes(handle.key_digest[:8], "little"),
-             int.from_bytes(handle.key_digest[8:], "little"), handle.epoch,
-             int.from_bytes(object_id[16:], "little"), number]
+def handle_item(handout: HandOut) -> MultiModalKwargsItem:
+    """The item a worker gets instead of the data: one hand-out (a worker counts each hand-out
+    it reads for a request once)."""
+    handle = handout.handle
+    digest = handle.key_digest
+    words = {"address": handle.address, "seq": handle.seq,
+             "digest_low": int.from_bytes(digest[:8], "little"),
+             "digest_high": int.from_bytes(digest[8:], "little"), "epoch": handle.epoch,
+             "origin": int.from_bytes(handout.object_id[16:], "little"),
+             "number": handout.number}
     batched = MultiModalBatchedField()
     return MultiModalKwargsItem({
         "address": MultiModalFieldElem(data=handle.address, field=batched),
-        HANDLE_FIELD: MultiModalFieldElem(data=words, field=batched),
+        HANDLE_FIELD: MultiModalFieldElem(data=[words[w] for w in HANDLE_WORDS], field=batched),
     })
 
 
-def _words(item: Any) -> list[int] | None:
+def handout_from_item(item: Any) -> HandOut | None:
+    """The HandOut a handle item carries, None for an item with data; ValueError if it is
+    malformed."""
     if item is None or HANDLE_FIELD not in item:
         return None
-    words = item[HANDLE_FIELD].data
-    if (not isinstance(words, (list, tuple)) or len(words) != HANDLE_WORDS
-            or any(type(w) is not int or not 0 <= w < 1 << 64 for w in words)):
-        raise ValueError(f"malformed shmstore handle item: expected {HANDLE_WORDS} unsigned "
-                         "64-bit ints")
-    return list(words)
+    data = item[HANDLE_FIELD].data
+    if (not isinstance(data, (list, tuple)) or len(data) != len(HANDLE_WORDS)
+            or any(type(w) is not int or not 0 <= w < 1 << 64 for w in data)):
+        raise ValueError(f"malformed shmstore handle item: expected {len(HANDLE_WORDS)} "
+                         "unsigned 64-bit ints")
+    w = dict(zip(HANDLE_WORDS, data, strict=True))
+    digest = w["digest_low"].to_bytes(8, "little") + w["digest_high"].to_bytes(8, "little")
+    try:
+        handle = Handle(w["address"], w["seq"], digest, w["epoch"])
+    except (InvalidHandle, ValueError, TypeError) as exc:
+        raise ValueError(f"malformed shmstore handle item: {exc}") from None
+    return HandOut(handle, w["number"], digest + w["origin"].to_bytes(8, "little"))
 
 
 def handout_number(item: Any) -> int | None:
     """The hand-out number a handle item carries, None for an item with data or anything that
     is not a well-formed handle item."""
     try:
-        words = _words(item) if isinstance(item, MultiModalKwargsItem) else None
+        found = handout_from_item(item) if isinstance(item, MultiModalKwargsItem) else None
     except ValueError:
         return None
-    return None if words is None else words[6]
-
-
-def object_id_from_item(item: Any) -> bytes | None:
-    """The object id (key digest + origin seq) a handle item names, None for an item with
-    data; ValueError if it is malformed."""
-    words = _words(item)
-    if words is None:
-        return None
-    return b"".join(w.to_bytes(8, "little") for w in (words[2], words[3], words[5]))
-
-
-def handle_from_item(item: Any) -> Handle | None:
-    """The Handle an item carries, None for an item with data; ValueError if it is malformed."""
-    words = _words(item)
-    if words is None:
-        return None
-    address, seq, low, high, epoch, _, _ = words
-    try:
-        return Handle(address, seq, low.to_bytes(8, "little") + high.to_bytes(8, "little"), epoch)
-    except (InvalidHandle, ValueError, TypeError) as exc:
-        raise ValueError(f"malformed shmstore handle item: {exc}") from None
+    return None if found is None else found.number

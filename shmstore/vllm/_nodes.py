@@ -42,7 +42,7 @@ from ..errors import (
     Timeout,
     WriterGone,
 )
-from ..handle import Handle, key_digest
+from ..handle import Handle, HandOut, key_digest
 from ..queue._channel import Channel, ChannelReader, ChannelWriter
 from ._env import LOG_NAME, PUBLISH_ENV
 
@@ -88,14 +88,14 @@ class HeadPublisher:
         the Publisher still serves (if it stopped, an error is in the log)."""
         return self.publisher.serving and self.publisher.nodes_connected >= self.n_remote_nodes
 
-    def renew(self, handle: Handle) -> Handle:
+    def renew(self, handout: HandOut) -> HandOut:
         """Replace a hand-out kept a while by one made now: published hand-outs go out in the
         order they are made (ChannelWriter.publish)."""
-        return self.channel.store.hand_out_again(handle)
+        return self.channel.store.hand_out_again(handout.handle)
 
-    def publish(self, handle: Handle) -> None:
+    def publish(self, handout: HandOut) -> None:
         """Send a hand-out just made to the nodes (Timeout: given back, see ChannelWriter)."""
-        self.channel.publish(handle, timeout=PUBLISH_TIMEOUT_S)
+        self.channel.publish(handout, timeout=PUBLISH_TIMEOUT_S)
 
     def close(self) -> None:
         """End the channel (relays end theirs: their workers get Closed), stop the Publisher,

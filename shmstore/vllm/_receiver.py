@@ -23,9 +23,7 @@ from ..store._object_store import ObjectStore, StoreReader
 from ._deployment import Deployment, local_rank
 from ._env import LOG_NAME
 from ._items import (
-    HANDLE_FIELD,
-    handle_from_item,
-    object_id_from_item,
+    handout_from_item,
     value_to_item,
 )
 from ._nodes import FEED_ERRORS, NodeFeed
@@ -93,28 +91,25 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         return mm_features
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
-        handle = handle_from_item(mm_item)
-        if handle is None:
+        handout = handout_from_item(mm_item)
+        if handout is None:
             return mm_item
+        handle, number = handout.handle, handout.number
         if handle.key_digest != key_digest(mm_hash):
             log.warning("shmstore: item %s carries the handle of another item; asking for it "
                         "again", mm_hash)
             raise MultiModalCacheMissError([mm_hash])
-        words = mm_item[HANDLE_FIELD].data
-        origin, number = words[5], words[6]
         read = (self._request, number)
         count = read not in self._read
         try:
             if self._feed is not None:
-                object_id = object_id_from_item(mm_item)
-                assert object_id is not None  # it carries a handle
-                value = self._feed.get(object_id)
+                value = self._feed.get(handout.object_id)
             else:
                 if not 0 < number <= self.reader.handout_seq:
                     raise StaleHandle(f"hand-out number {number} was never made by the store "
                                       f"(its last is {self.reader.handout_seq})", handle)
                 value = self.reader.get(handle, count=count, pin_memory=self._pin_memory,
-                                        origin=origin)
+                                        origin=handout.origin)
         except (StaleHandle, CorruptObject, *FEED_ERRORS) as exc:
             log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
             raise MultiModalCacheMissError([mm_hash]) from None

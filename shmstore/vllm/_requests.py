@@ -203,12 +203,11 @@ class RequestLedger:
                     rec.unclaimed, rec.ended_s = False, None
                 if rec.live_requests or rec.ended_s is not None:
                     try:
-                        self._store.hand_out(rec.handle)
+                        new = self._store.hand_out(rec.handle).number
                     except StaleHandle:
                         log.warning("shmstore: item %s of request %s is gone; its workers will "
                                     "ask for it again", rec.key, request_id)
                         continue
-                    new = self._store.handout_seq
                     rec = self._handouts[new] = _Handout(rec.handle, rec.key, self._clock())
                     renumbered.append((number, new))
                     number = new

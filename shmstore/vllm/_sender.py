@@ -28,25 +28,17 @@ from typing import Any
 
 from ..errors import (
     KeyExists,
-    KeyNotCached,
     ObjectTooLarge,
     StaleHandle,
     StoreFull,
     Timeout,
 )
-from ..handle import Handle
+from ..handle import Handle, HandOut
 from ..store._api import WriterAPI
-from ..store._host import MAX_KEYS
 from . import _images
 from ._deployment import Deployment, open_writer
 from ._env import LOG_NAME
-from ._items import (
-    handle_from_item,
-    handle_item,
-    handout_number,
-    item_to_value,
-    object_id_from_item,
-)
+from ._items import handle_item, handout_from_item, item_to_value
 from ._nodes import HeadPublisher
 from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
 from ._requests import RequestLedger
@@ -83,7 +75,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self.engines, self.readers_per_engine = d.engines, d.per_engine
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
         self._prune_at = PRUNE_UPDATES
-        self._touched: dict[str, tuple[Handle, int]] = {}  # kept hand-outs (and their numbers)
+        self._touched: dict[str, HandOut] = {}  # hand-outs taken for vLLM's touches, kept
         self._hits = self._total = 0
         self._last = CacheInfo(hits=0, total=0)
         self._lock = threading.RLock()  # around every call of the writer, the host's too
@@ -127,7 +119,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         return None if self._head is None else self._head.publisher
 
     def _is_touched(self, handle: Handle) -> bool:
-        return any(kept == handle for kept, _ in self._touched.values())
+        return any(kept.handle == handle for kept in self._touched.values())
 
     def processing(self, hf_processor_mm_kwargs: Any) -> contextvars.Token[bytes | None]:
         """vLLM starts processing a request with these kwargs in this context: records are
@@ -150,7 +142,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
         with self._lock:
-            return mm_hash in self._updates and self._store.is_cached(mm_hash)
+            return mm_hash in self._updates and self._store.cached([mm_hash])[0]
 
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
         """vLLM asks this before processing a request's misses, and touches its hits after:
@@ -161,33 +153,27 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             fingerprint = _FINGERPRINT.get()
             want = list(dict.fromkeys(h for h in mm_hashes if h not in self._touched and (
                 fingerprint is not None or h in self._updates)))
-            found: list[tuple[Handle, int, bytes | None] | None] = []
-            if want and fingerprint is None:
-                found = [None if f is None else (*f, None) for i in range(0, len(want), MAX_KEYS)
-                         for f in self._store.hand_out_cached(want[i:i + MAX_KEYS])]
-            elif want:
-                found = [f for i in range(0, len(want), MAX_KEYS) for f in
-                         self._store.peek_cached(want[i:i + MAX_KEYS], RECORD_FIELD)]
+            field = None if fingerprint is None else RECORD_FIELD
+            found = self._store.hand_out_cached(want, field) if want else []
             for mm_hash, hit in zip(want, found, strict=True):
                 if hit is None:
                     continue
-                handle, number, record = hit
                 if mm_hash not in self._updates:
                     assert fingerprint is not None  # only then is an unseen hash asked for
                     try:
-                        self._updates[mm_hash] = read(record, fingerprint,
+                        self._updates[mm_hash] = read(hit.record, fingerprint,
                                                       self.deployment.vocab_size)
                     except Exception as exc:  # today's path: the processor runs here
                         reason = exc.reason if isinstance(exc, RecordRefused) else "damaged"
                         (log.debug if isinstance(exc, RecordRefused) else log.warning)(
                             "shmstore: record of %s refused (%s)", mm_hash, exc)
-                        self._store.give_back(handle, number, wait=False)
+                        self._store.give_back(hit.handle, hit.number, wait=False)
                         with self.ledger.lock:
                             self.refused[reason] += 1
                         continue
                     with self.ledger.lock:
                         self.skipped["processor"] += 1
-                self._touched[mm_hash] = (handle, number)
+                self._touched[mm_hash] = hit
             cached = [h in self._touched for h in mm_hashes]
         _images.realize_misses(mm_hashes, cached)  # vLLM reads the misses' pixels next
         return cached
@@ -202,9 +188,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def release_sender_touches(self) -> None:
         with self._lock:
             touched, self._touched = self._touched, {}
-            for handle, number in touched.values():
+            for kept in touched.values():
                 try:  # that hand-out, not the object's last (another server's, maybe narrowed)
-                    self._store.give_back(handle, number)
+                    self._store.give_back(kept.handle, kept.number)
                 except StaleHandle:
                     pass  # cleared meanwhile: nothing to give back
 
@@ -214,48 +200,42 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def _get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
         self._total += 1
-        kept = self._touched.pop(mm_hash, None)
-        handle = number = None
-        if kept is not None:
-            handle, number = kept
-            if self._head is not None:
-                # published hand-outs go out in the order they are made: renew the kept one
-                handle = self._head.renew(handle)
-                number = self._store.handout_seq
-        if handle is None and self.is_cached_item(mm_hash):
-            handle, number = self._store.get_cached(mm_hash), self._store.handout_seq
-        if handle is not None and number is not None:
+        handout = self._touched.pop(mm_hash, None)
+        if handout is not None and self._head is not None:
+            # published hand-outs go out in the order they are made: renew the kept one
+            handout = self._head.renew(handout)
+        if handout is None and mm_hash in self._updates:
+            handout = self._store.hand_out_cached([mm_hash])[0]
+        if handout is not None:
             self._hits += 1
             self.items["hit"] += 1
-            out = self._hand_out(handle, number, mm_item, mm_hash)
+            out = self._hand_out(handout, mm_item, mm_hash)
             return (mm_item if out is None else out), self._updates[mm_hash]
         if mm_item is None:
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
         try:
-            handle = self._put(mm_hash, item, prompt_updates)
+            handout = self._put(mm_hash, item, prompt_updates)
         except KeyExists:  # stored (by another API server), but not its prompt updates here
-            try:
-                handle = self._store.get_cached(mm_hash)
-            except KeyNotCached:  # evicted in between: not worth a second try
+            handout = self._store.hand_out_cached([mm_hash])[0]
+            if handout is None:  # evicted in between: not worth a second try
                 self.items["inline"] += 1
                 return mm_item  # type: ignore[no-any-return]
             self.items["shared"] += 1
         else:
-            if handle is None:
+            if handout is None:
                 return mm_item  # type: ignore[no-any-return]
             self.items["stored"] += 1
-        number = self._store.handout_seq
         if len(self._updates) >= self._prune_at:  # drop the updates of items gone from the store
             keys = list(self._updates)
             cached = self._store.cached(keys)
             self._updates = {k: self._updates[k] for k, c in zip(keys, cached, strict=True) if c}
             self._prune_at = 2 * len(self._updates) + PRUNE_UPDATES
         self._updates[mm_hash] = prompt_updates
-        out = self._hand_out(handle, number, mm_item, mm_hash)
+        out = self._hand_out(handout, mm_item, mm_hash)
         return (mm_item if out is None else (out, prompt_updates))
 
-    def _put(self, mm_hash: str, item: Any, prompt_updates: Sequence[Any]) -> Handle | None:
+    def _put(self, mm_hash: str, item: Any, prompt_updates: Sequence[Any]) -> HandOut | None:
         """Store a miss, with the record of its prompt updates where they have one; None:
         send it inline (too large, or the store is full even after withdrawing what only
         ended requests held)."""
@@ -266,7 +246,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             value[RECORD_FIELD] = record
         for attempt in range(2):
             try:
-                return self._store.put(mm_hash, value, timeout=0)
+                return self._store.hand_out_new(mm_hash, value, timeout=0)
             except StoreFull as exc:
                 if attempt == 0 and self.ledger.settle(full=True):
                     continue
@@ -278,20 +258,20 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             return None
         return None  # not reached: the loop returns on its last attempt
 
-    def _hand_out(self, handle: Handle, number: int, mm_item: Any, mm_hash: str) -> Any:
-        """The handle item for hand-out `number` just made; on a TP group across nodes, also
-        sent to the other nodes. None: give the data inline instead (a node's relay is not
-        connected, or too slow to take it); the hand-out is given back."""
+    def _hand_out(self, handout: HandOut, mm_item: Any, mm_hash: str) -> Any:
+        """The handle item for `handout`, just made; on a TP group across nodes, also sent to
+        the other nodes. None: give the data inline instead (a node's relay is not connected,
+        or too slow to take it); the hand-out is given back."""
         head = self._head
         if head is not None:
             why = "" if head.ready() else "a node's relay is not connected"
             if not why:
                 try:
-                    head.publish(handle)
+                    head.publish(handout)
                 except Timeout:  # given back by publish
                     why = "the relays did not take it in time"
             else:
-                self._store.give_back(handle)
+                self._store.give_back(handout.handle, handout.number)
             if why:
                 if mm_item is None:  # a hit without data: nothing to send inline
                     log.warning("shmstore: item %s cannot reach every node (%s)", mm_hash, why)
@@ -299,24 +279,15 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self.items["inline"] += 1
                 log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
                 return None
-        object_id = self._store.object_id(mm_hash)
-        if object_id is None:  # not reached: a hand-out just made is of a cached key
-            self._store.give_back(handle)
-            raise MultiModalCacheMissError([mm_hash])
-        self.ledger.handed_out(number, handle, mm_hash)
-        return handle_item(handle, object_id, number)
+        self.ledger.handed_out(handout.number, handout.handle, mm_hash)
+        return handle_item(handout)
 
     def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
-        handle = handle_from_item(mm_item)
-        if handle is None:
+        handout = handout_from_item(mm_item)
+        if handout is None:
             return
-        number = handout_number(mm_item)
-        with self._lock:
-            # the worker's checks, made here first: the handle the store holds for mm_hash,
-            # the object's id, and a hand-out number the store has made
-            issued = (handle == self._store.handle_of(mm_hash)
-                      and object_id_from_item(mm_item) == self._store.object_id(mm_hash)
-                      and number is not None and 0 < number <= self._store.handout_seq)
+        with self._lock:  # the worker's checks, made here first, by the store that made it
+            issued = self._store.issued(mm_hash, handout)
         if not issued:
             raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
                              "server did not issue for it (forged, stale or from another "
@@ -324,7 +295,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def invalidate(self, mm_hash: str) -> None:
         with self._lock:
-            if not self._store.is_cached(mm_hash):
+            if not self._store.cached([mm_hash])[0]:
                 self._updates.pop(mm_hash, None)
 
     def clear_cache(self) -> None:

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from shmstore.errors import InvalidArgument
 from tests._names import Channel, Closed, CorruptObject, StoreFull, Timeout
 from tests.workers import channel_reader_main
 
@@ -63,8 +64,12 @@ def test_publish_and_recv_handle_take_objects_out_of_order(name: str) -> None:
         store = w.store
         handles = []
         for i in range(3):
-            handles.append(store.put(f"k{i}", value(i, 300_000)))
-            w.publish(handles[-1], timeout=5)
+            made = store.hand_out_new(f"k{i}", value(i, 300_000))
+            with pytest.raises(InvalidArgument, match="HandOut"):
+                w.publish(made.handle, timeout=5)  # a bare handle does not say which hand-out
+            w.publish(made, timeout=5)
+            handles.append(made.handle)
+            assert made.object_id == store.object_id(f"k{i}")
         assert store.object_id("k0") == handles[0].key_digest + handles[0].seq.to_bytes(8, "little")
         assert store.object_id("missing") is None
         got = [r.recv_handle(timeout=5) for _ in range(3)]

@@ -184,7 +184,8 @@ def test_hand_out_again_renews_a_kept_handout_without_a_second_read(store) -> No
     h = w.put("kept", blob(0))
     first = w.handout_seq
     read_all(readers, w.put("other", blob(1)))
-    assert w.hand_out_again(h) == h and w.handout_seq == first + 2  # a new, later number
+    again = w.hand_out_again(h)
+    assert again.handle == h and again.number == first + 2 == w.handout_seq  # a new, later one
     assert (w.stats().hits, w.stats().give_backs) == (0, 0)
     read_all(readers, h)  # one read each settles it: the kept hand-out is not owed as well
     for i in range(2, 8):
@@ -420,7 +421,7 @@ def test_hand_out_adds_one_read_per_reader_also_for_a_kept_object(store) -> None
     w, readers = store
     h = w.put("twice", blob(4))
     w.clear(keep_handed_out=True)
-    assert w.hand_out(h) == h and w.unread(h) == (2, 2)
+    assert w.hand_out(h).handle == h and w.unread(h) == (2, 2)
     assert w.stats().hits == 0  # not a hit: nobody asked by key
     read_all(readers, h)
     read_all(readers, h)

@@ -83,7 +83,9 @@ def test_the_local_writers_batch_hand_out_is_all_or_nothing(name: str) -> None:
             writer.hand_out_cached(["a", ""])
         assert writer.unread(a) == (1,) and writer.stats().hits == 0
         found = writer.hand_out_cached(["missing", "a", "a"])
-        assert found == [None, (a, 2), (a, 3)] and writer.handout_seq == 3
+        assert [f and (f.handle, f.number, f.record) for f in found] == [
+            None, (a, 2, None), (a, 3, None)] and writer.handout_seq == 3
+        assert found[1].object_id == found[2].object_id == writer.object_id("a")
         assert writer.cached(["a", "b"]) == [True, False] and writer.unread(a) == (3,)
         writer.give_back(a, 3)
         writer.give_back(a, 2)

@@ -60,15 +60,15 @@ def blob(i: int, nbytes: int = 40 * KIB) -> np.ndarray:
 
 def test_remote_put_is_one_store_for_both_writers(hosted) -> None:
     writer, _, client, readers, lock = hosted
-    handle = client.put("a", {"x": blob(1)})
-    first = client.handout_seq
-    assert first == writer.handout_seq == 1
+    made = client.hand_out_new("a", {"x": blob(1)})
+    handle = made.handle
+    assert made.number == writer.handout_seq == 1
     assert writer.is_cached("a") and client.is_cached("a") and client.cached(["a", "b"]) == [True, False]
-    assert client.handle_of("a") == writer.handle_of("a") == handle
-    assert client.object_id("a") == writer.object_id("a")
+    assert writer.handle_of("a") == handle and made.object_id == writer.object_id("a")
     with lock:
         again = writer.get_cached("a")  # a hit of the host's own thread
-    assert again == handle and client.get_cached("a") == handle and client.handout_seq == 3
+    assert again == handle and client.get_cached("a") == handle and writer.handout_seq == 3
+    assert client.issued("a", made) and not client.issued("b", made)
     for r in readers:
         for _ in range(3):
             np.testing.assert_array_equal(r.get(handle)["x"], blob(1))
@@ -94,20 +94,19 @@ def test_an_object_goes_only_when_every_writer_ended_its_hand_outs(hosted) -> No
     """Each writer ends its own hand-outs; a full store withdraws an owed object only once
     every hand-out of it is over."""
     writer, _, client, readers, lock = hosted
-    handle = client.put("a", blob(1))
-    mine = client.handout_seq
+    mine = client.hand_out_new("a", blob(1))
+    handle = mine.handle
     with lock:
-        writer.get_cached("a")
-        theirs = writer.handout_seq
+        theirs = writer.hand_out_cached(["a"])[0]
     handles = [client.put(f"k{i}", blob(i)) for i in range(1, 6)]  # six fit
     for h in handles:
         for r in readers:
             r.get(h)
-    assert client.end_handouts([(handle, [mine])]) == [True]  # still owed reads
+    assert client.end_handouts([(handle, [mine.number])]) == [True]  # still owed reads
     with pytest.raises(StoreFull, match="still owed"):  # the host's hand-out is not over
         client.put("more", blob(9))
     with lock:
-        assert writer.end_handouts([(handle, [theirs, 999])]) == [True]  # 999: ignored
+        assert writer.end_handouts([(handle, [theirs.number, 999])]) == [True]  # 999: ignored
     more = client.put("more", blob(9))  # withdrawn to make room
     assert not writer.is_cached("a") and writer.stats().withdrawn == 1
     with pytest.raises(StaleHandle):
@@ -117,10 +116,11 @@ def test_an_object_goes_only_when_every_writer_ended_its_hand_outs(hosted) -> No
 
 def test_give_back_by_number_and_narrowed_hand_outs(hosted) -> None:
     writer, _, client, readers, _ = hosted
-    handle = client.put("a", blob(1))
-    put = client.handout_seq
-    client.hand_out(handle)
-    second = client.handout_seq
+    made = client.hand_out_new("a", blob(1))
+    handle, put = made.handle, made.number
+    second = client.hand_out(handle).number
+    assert second == put + 1 and client.hand_out(handle).object_id == made.object_id
+    client.give_back(handle, second + 1)
     client.narrow(handle, put, [0])  # the put goes to reader 0 only
     assert client.unread(handle) == (2, 1)
     client.give_back(handle, put)
@@ -181,36 +181,39 @@ def test_hand_out_cached_takes_every_hit_in_one_call(hosted) -> None:
     writer, _, client, readers, lock = hosted
     a, b = client.put("a", blob(1)), client.put("b", blob(2))
     with pytest.raises(InvalidKey):  # checked before anything is handed out
-        client._call("hand_out_cached", ["a", ""])
+        client._call("hand_out_cached", ["a", ""], None)
+    with pytest.raises(InvalidKey):  # the client checks every key before the first batch
+        client.hand_out_cached(["a"] * (_wire.MAX_KEYS + 1) + [""])
     assert writer.unread(a) == writer.unread(b) == (1, 1)
     found = client.hand_out_cached(["b", "missing", "a"])
     assert found[1] is None
-    assert [f[0] for f in found if f] == [b, a]
-    assert [f[1] for f in found if f] == [3, 4] and client.handout_seq == 4
-    assert client.object_id("a") == writer.object_id("a")  # no round trip: kept from the call
+    assert [f.handle for f in found if f] == [b, a]
+    assert [f.number for f in found if f] == [3, 4] and writer.handout_seq == 4
+    assert found[2].object_id == writer.object_id("a")
     assert writer.unread(a) == writer.unread(b) == (2, 2)
     client.give_back(a, 4)
     client.give_back(b, 3)
     for r in readers:
         r.get(a), r.get(b)
     assert writer.unread(a) == writer.unread(b) == (0, 0)
-    with pytest.raises(InvalidArgument, match="at most"):
-        client.hand_out_cached(["k"] * (writer_host.MAX_KEYS + 1))
+    many = client.hand_out_cached(["a", "missing"] * _wire.MAX_KEYS + ["b"])  # in 3 batches
+    assert [f.number for f in many if f] == list(range(5, 5 + _wire.MAX_KEYS + 1))
+    assert many[1] is None and many[-1].handle == b
+    assert writer.unread(a) == (_wire.MAX_KEYS,) * 2 and writer.unread(b) == (1, 1)
 
 
 def test_posted_calls_run_in_order_and_fail_quietly(hosted, caplog) -> None:
     writer, host, client, readers, _ = hosted
-    handle = client.put("a", blob(1))
-    put = client.handout_seq
-    client.hand_out(handle)
+    made = client.hand_out_new("a", blob(1))
+    handle, put = made.handle, made.number
+    again = client.hand_out(handle)
     client.narrow(handle, put, [0], wait=False)  # no reply waited for
     assert client.unread(handle) == (2, 1)  # but run before the next call
     client.give_back(handle, put, wait=False)
     client.give_back(handle, put, wait=False)  # a second time: stale, logged at debug only
     assert client.unread(handle) == (1, 1) and host.post_errors == 0
     sock = _raw(writer)  # a client that does not check what it posts: no such reader
-    frame = msgpack.packb(["post", "narrow", _wire.handle_to_wire(handle), client.handout_seq,
-                           [5]])
+    frame = msgpack.packb(["post", "narrow", _wire.handle_to_wire(handle), again.number, [5]])
     sock.sendall(struct.pack("<I", len(frame)) + frame)
     wait_for(lambda: host.post_errors == 1, 30, "the host to count the failed post")
     assert client.is_cached("a")  # the connection goes on
@@ -228,7 +231,7 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> 
     with pytest.raises(InvalidArgument, match="frame limit"):
         client.is_cached("k" * _wire.MAX_FRAME_BYTES)
     client.put("a", blob(1))  # the connection is still in step
-    keys = [f"key-{i}" for i in range(3 * writer_host.MAX_KEYS)] + ["a"]
+    keys = [f"key-{i}" for i in range(3 * _wire.MAX_KEYS)] + ["a"]
     assert client.cached(keys) == [False] * (len(keys) - 1) + [True]  # in several calls
 
 
@@ -279,8 +282,8 @@ def test_bad_arguments_get_an_error_reply_not_a_drop(hosted) -> None:
 def test_bad_narrow_arguments_raise_as_the_local_writer_does_and_keep_the_connection(
         hosted, readers: list, number: Any, error: type, wait: bool) -> None:
     writer, host, client, _, _ = hosted
-    handle = client.put("a", blob(1))
-    good = client.handout_seq
+    made = client.hand_out_new("a", blob(1))
+    handle, good = made.handle, made.number
     for who in (writer, client):
         with pytest.raises(error):
             if who is writer:
@@ -329,8 +332,7 @@ def _structure_byte(writer: ObjectStore, key: str) -> memoryview:
 
 
 @pytest.mark.parametrize("side", ["local", "remote"])
-def test_peek_cached_reads_a_record_beside_the_arrays_and_hands_out_the_hits(hosted,
-                                                                            side) -> None:
+def test_hand_out_cached_with_a_field_reads_a_record_beside_the_arrays(hosted, side) -> None:
     writer, _, client, readers, lock = hosted
     store = client if side == "remote" else writer
     with lock:
@@ -340,28 +342,28 @@ def test_peek_cached_reads_a_record_beside_the_arrays_and_hands_out_the_hits(hos
         d = writer.put("d", [b"not a map"])
         e = writer.put("e", {"x": blob(5), "rec": "a str, not bytes"})
     with lock if side == "local" else contextlib.nullcontext():
-        found = store.peek_cached(["a", "missing", "b", "c", "d", "e"], "rec")
+        found = store.hand_out_cached(["a", "missing", "b", "c", "d", "e"], "rec")
     assert found[1] is None
-    assert [(f[0], f[2]) for f in found if f] == [
+    assert [(f.handle, f.record) for f in found if f] == [
         (a, b"\x01record"), (b, None), (c, None), (d, None), (e, None)]
-    numbers = [f[1] for f in found if f]
-    assert numbers == list(range(6, 11)) and store.handout_seq == 10
+    numbers = [f.number for f in found if f]
+    assert numbers == list(range(6, 11)) and writer.handout_seq == 10
     assert writer.unread(a) == (2, 2)  # handed out, as hand_out_cached does
     with lock if side == "local" else contextlib.nullcontext():
         for handle, number in zip((a, b, c, d, e), numbers):
             store.give_back(handle, number)
     with pytest.raises(InvalidArgument, match="field"):
-        store.peek_cached(["a"], "")
+        store.hand_out_cached(["a"], "")
     with pytest.raises(InvalidArgument, match="field"):
-        store.peek_cached(["a"], "f" * 65)
+        store.hand_out_cached(["a"], "f" * 65)
     with pytest.raises(InvalidKey):
-        store.peek_cached(["a", ""], "rec")
+        store.hand_out_cached(["a", ""], "rec")
     assert writer.unread(a) == (1, 1)  # nothing handed out by the refused calls
     for r in readers:
         assert r.get(a)["rec"] == b"\x01record"
 
 
-def test_peek_cached_never_hands_out_an_object_whose_structure_is_damaged(hosted) -> None:
+def test_a_peeked_hand_out_is_never_made_of_an_object_whose_structure_is_damaged(hosted) -> None:
     writer, _, client, readers, lock = hosted
     with lock:
         a = writer.put("a", {"x": blob(1), "rec": b"record"})
@@ -369,23 +371,29 @@ def test_peek_cached_never_hands_out_an_object_whose_structure_is_damaged(hosted
     at = bytes(body[:200]).index(b"record")
     for where in (at, 20):  # the record's bytes; the buffer table
         body[where] ^= 0xFF
-        assert client.peek_cached(["a"], "rec") == [None]  # the CRC says damaged
+        assert client.hand_out_cached(["a"], "rec") == [None]  # the CRC says damaged
         assert writer.unread(a) == (1, 1)  # no hand-out made
         body[where] ^= 0xFF
-    assert client.peek_cached(["a"], "rec")[0][2] == b"record"
+    assert client.hand_out_cached(["a"], "rec")[0].record == b"record"
 
 
-def test_a_host_sending_a_bad_peek_reply_closes_the_client(hosted, monkeypatch) -> None:
+def test_a_host_sending_a_bad_hand_out_reply_closes_the_client(hosted, monkeypatch) -> None:
     writer, _, client, _, lock = hosted
     with lock:
         handle = writer.put("a", {"rec": b"x"})
     wire_handle = _wire.handle_to_wire(handle)
-    for reply in ([[wire_handle, 2, b"id", "a str"]],  # a record that is not bytes
-                  [[wire_handle, 2, b"id", b"r" * (_wire.MAX_PEEK_BYTES + 1)]],  # too long
-                  [[wire_handle, 2, b"id"]]):  # too short
+    object_id = writer.object_id("a")
+    for reply in ([[wire_handle, 2, object_id, "a str"]],  # a record that is not bytes
+                  [[wire_handle, 2, object_id, b"r" * (_wire.MAX_PEEK_BYTES + 1)]],  # too long
+                  [[wire_handle, 2, object_id]],  # too short
+                  [[wire_handle, 0, object_id, None]],  # no hand-out has number 0
+                  [[wire_handle, True, object_id, None]],  # a number that is not an int
+                  [[wire_handle, 2, b"id", None]],  # an object id of the wrong size
+                  [[wire_handle[:3], 2, object_id, None]],  # a handle of three fields
+                  [None, None]):  # two answers to one key
         monkeypatch.setattr(client, "_call", lambda *a, r=reply: r)
         with pytest.raises(Closed, match="malformed"):
-            client.peek_cached(["a"], "rec")
+            client.hand_out_cached(["a"], "rec")
         monkeypatch.undo()
         client = RemoteWriter(writer.name, connect_timeout_s=5)
     client.close()

@@ -104,14 +104,14 @@ def test_1_another_user_cannot_take_the_hosts_socket_name_first(name: str) -> No
 
 def test_2_a_forked_child_cannot_use_its_parents_remote_writer(hosted) -> None:
     writer, _, client = hosted
-    a, b = client.put("a", blob(1)), client.put("b", blob(2))
+    a, b = client.hand_out_new("a", blob(1)), client.hand_out_new("b", blob(2))
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         os.close(read)
         out = b"no error"
         try:
-            client.handle_of("a")
+            client.cached(["a"])
         except WrongProcess:
             out = b"WrongProcess"
         os.write(write, out)
@@ -121,7 +121,7 @@ def test_2_a_forked_child_cannot_use_its_parents_remote_writer(hosted) -> None:
     os.close(read)
     os.waitpid(pid, 0)
     for _ in range(200):  # the parent's replies are its own
-        assert client.handle_of("a") == a and client.handle_of("b") == b
+        assert client.issued("a", a) and client.issued("b", b) and not client.issued("a", b)
 
 
 def lend_fork_and_wait(name: str, nbytes: int, ready, how: str) -> None:
@@ -222,8 +222,8 @@ def test_5_errors_cross_with_their_attributes(hosted) -> None:
 
 def test_6_a_wrong_but_well_typed_argument_is_answered_not_dropped(hosted) -> None:
     writer, _, client = hosted
-    h = client.put("a", blob(1))
-    n = client.handout_seq
+    made = client.hand_out_new("a", blob(1))
+    h, n = made.handle, made.number
     with pytest.raises(ReaderIndexError):
         client.narrow(h, n, [-1])
     with pytest.raises(StaleHandle):
@@ -239,6 +239,14 @@ def test_6_a_wrong_but_well_typed_argument_is_answered_not_dropped(hosted) -> No
         assert _wire.recv_frame(sock)[:2] == [1, "InvalidHandle"]  # answered, not dropped
         _wire.send_frame(sock, ["len"])
         assert _wire.recv_frame(sock) == [0, 1]
+        wire_handle = _wire.handle_to_wire(h)
+        for bad in ([wire_handle, n + 1, made.object_id, None],  # a number not made yet
+                    [wire_handle, n, b"x" * 24, None],  # another object's id
+                    [wire_handle, -1, made.object_id, None]):  # a number never made
+            _wire.send_frame(sock, ["issued", "a", bad])
+            assert _wire.recv_frame(sock) == [0, False]  # answered: not issued
+        _wire.send_frame(sock, ["issued", "a", [wire_handle, n, made.object_id, None]])
+        assert _wire.recv_frame(sock) == [0, True]
     finally:
         sock.close()
     assert client.is_cached("a") and writer.unread(h) == (1,)
@@ -248,8 +256,8 @@ def test_7_a_burst_of_ended_hand_outs_goes_in_frames_the_host_takes(hosted) -> N
     writer, _, client = hosted
     h = client.put("a", blob(1, 100))
     for _ in range(3):
-        client.hand_out(h)
-    groups = [(h, [client.handout_seq])] * 30_000  # 30,000 groups: above one frame's worth
+        last = client.hand_out(h)
+    groups = [(h, [last.number])] * 30_000  # 30,000 groups: above one frame's worth
     assert client.end_handouts(groups) == [True] * 30_000
     assert client.is_cached("a")
 

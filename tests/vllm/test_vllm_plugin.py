@@ -52,7 +52,7 @@ from shmstore.vllm._env import (  # noqa: E402
     WAIT_ENV,
 )
 from shmstore.vllm._install import _remove_if_orphaned  # noqa: E402
-from shmstore.vllm._items import HANDLE_FIELD, handle_from_item  # noqa: E402
+from shmstore.vllm._items import HANDLE_FIELD, HANDLE_WORDS, handout_from_item  # noqa: E402
 from shmstore.vllm._nodes import NodeFeed  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
@@ -284,22 +284,24 @@ def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: An
             sender.validate_input_item(junk, "h5")
     with ObjectStore.create(name + "-other", capacity_bytes=1 << 20, n_readers=1) as other:
         foreign = other.put("h5", {"x": 1})
-        assert handle_from_item(out) != foreign
+        assert handout_from_item(out).handle != foreign
     sender.clear_cache()
     with pytest.raises(ValueError, match="did not issue"):
         sender.validate_input_item(out, "h5")  # stale
 
 
-@pytest.mark.parametrize(("word", "change"), [(5, 1), (5, -1), (6, 1 << 40), (6, None)])
+@pytest.mark.parametrize(("word", "change"), [("origin", 1), ("origin", -1),
+                                              ("number", 1 << 40), ("number", None)])
 def test_a_worker_refuses_a_handle_item_whose_origin_or_hand_out_word_is_wrong(
-        caches: Any, word: int, change: int | None) -> None:
+        caches: Any, word: str, change: int | None) -> None:
     """Every word of a handle item is checked, not the first five only: a damaged or replayed
     origin or hand-out number takes no read another request still needs."""
     sender, receivers = caches
     out, _ = sender.get_and_update_item((image_item(8), []), "h8")
-    handle = handle_from_item(out)
+    handle = handout_from_item(out).handle
     words = list(out[HANDLE_FIELD].data)
-    words[word] = 0 if change is None else words[word] + change
+    at = HANDLE_WORDS.index(word)
+    words[at] = 0 if change is None else words[at] + change
     bad = MultiModalKwargsItem(dict(out))
     bad[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
     with pytest.raises(MultiModalCacheMissError):
@@ -692,7 +694,7 @@ def test_a_node_feed_skips_what_it_cannot_use_and_follows_a_relay_that_died(name
             feed.poll()  # a try per second
             time.sleep(0.05)
         assert feed.reattached == 1
-        replacement.publish(replacement.store.put(b"id-2", {"y": 2}))
+        replacement.publish(replacement.store.hand_out_new(b"id-2", {"y": 2}))
         assert feed.get(b"id-2") == {"y": 2}
     finally:
         if feed is not None:
@@ -755,7 +757,7 @@ def test_releasing_a_touch_gives_back_that_hand_out_not_the_objects_last(caches:
     assert sender.is_cached(["h4"]) == [True]  # the touch: a hand-out kept
     store = sender.store
     handle = store.handle_of("h4")
-    later = store.hand_out(handle) and store.handout_seq  # another server's, made after it
+    later = store.hand_out(handle).number  # another server's, made after it
     store.narrow(handle, later, [0])
     sender.release_sender_touches()
     store.give_back(handle, later)  # still there to give back: the touch went, not this one

@@ -23,7 +23,7 @@ from vllm.multimodal.processing.processor import (  # noqa: E402
 )
 
 from shmstore.vllm import _records  # noqa: E402
-from shmstore.vllm._items import handle_from_item, item_to_value  # noqa: E402
+from shmstore.vllm._items import handout_from_item, item_to_value  # noqa: E402
 from shmstore.vllm._records import RECORD_FIELD, RecordRefused  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
 from tests.vllm import test_vllm_shared as shared  # noqa: E402
@@ -190,12 +190,12 @@ def test_another_api_servers_item_is_a_hit_without_the_processor(node: Any) -> N
         assert second.skipped["processor"] == 1
         hit, rebuilt = second.get_and_update_item(None, "h1")  # vLLM's hit: no data
         assert all(behaves_alike(a, b) for a, b in zip(updates, rebuilt, strict=True))
-        assert handle_from_item(hit) == handle_from_item(out)
+        assert handout_from_item(hit).handle == handout_from_item(out).handle
         assert first.store.stats().puts == 1 and second.items["hit"] == 1
         for n, item in enumerate((out, hit)):
             for receiver in receivers:
                 assert same_item(read(receiver, f"r{n}", item, "h1"), image_item(1))
-        assert first.store.unread(handle_from_item(out)) == (0, 0)
+        assert first.store.unread(handout_from_item(out).handle) == (0, 0)
     finally:
         for s, token in reversed(list(zip((first, second), tokens, strict=True))):
             s.processed(token, 0)  # contexts are left in reverse order

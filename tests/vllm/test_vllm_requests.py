@@ -20,7 +20,7 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 
-from shmstore.handle import Handle
+from shmstore.handle import Handle, HandOut
 from shmstore.vllm._env import LEASE_ENV, SETTLE_ENV
 from shmstore.vllm._items import HANDLE_FIELD, handle_item, handout_number
 from shmstore.vllm._receiver import ShmstoreReceiverCache
@@ -209,7 +209,7 @@ def test_a_ledger_that_fails_after_vllm_acted_never_raises_into_vllm(hook: str, 
 
     handle = Handle(128, 1, b"d" * 16, 7)
     request = SimpleNamespace(request_id="r1", mm_features=[
-        SimpleNamespace(data=handle_item(handle, b"i" * 24, 5))])
+        SimpleNamespace(data=handle_item(HandOut(handle, 5, b"i" * 24)))])
     fake = SimpleNamespace(ledger=Gone(), routed=Gone().routed)
     calls = {"add_request": ((None, request), "added"),
              "finish_request": ((None, request), "finished"),

@@ -18,7 +18,7 @@ from vllm.multimodal.cache import factories  # noqa: E402
 
 from shmstore.store._remote import RemoteWriter  # noqa: E402
 from shmstore.vllm import _install  # noqa: E402
-from shmstore.vllm._items import handle_from_item, handout_number  # noqa: E402
+from shmstore.vllm._items import handout_from_item, handout_number  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
 from tests._waiting import wait_for  # noqa: E402
@@ -85,7 +85,7 @@ def test_an_image_stored_by_one_api_server_is_a_hit_for_the_other(node: Any) -> 
     # hands out the copy API server 1 made
     assert not first.is_cached_item("h1")
     again, updates = first.get_and_update_item((image_item(1), ["updates"]), "h1")
-    assert updates == ["updates"] and handle_from_item(again) == handle_from_item(out)
+    assert updates == ["updates"] and handout_from_item(again).handle == handout_from_item(out).handle
     assert first.store.stats().puts == 1  # one copy on the node
     assert (first.items["shared"], second.items["stored"]) == (1, 1)
     assert first.is_cached_item("h1")  # from now on a hit there too
@@ -94,7 +94,7 @@ def test_an_image_stored_by_one_api_server_is_a_hit_for_the_other(node: Any) -> 
     for n, item in enumerate((out, again, hit)):
         for receiver in receivers:
             assert same_item(read(receiver, f"r{n}", item, "h1"), image_item(1))
-    assert first.store.unread(handle_from_item(out)) == (0, 0)
+    assert first.store.unread(handout_from_item(out).handle) == (0, 0)
 
 
 def test_a_hand_out_is_owed_only_by_the_engine_its_request_went_to(node: Any) -> None:
@@ -109,18 +109,18 @@ def test_a_hand_out_is_owed_only_by_the_engine_its_request_went_to(node: Any) ->
         owed = [0, 0]
         owed[engine] = 1
         # API server 1's narrow is posted (no reply on the routing path): wait for it to land
-        handle, want = handle_from_item(out), tuple(owed)
+        handle, want = handout_from_item(out).handle, tuple(owed)
         wait_for(lambda h=handle, w=want: first.store.unread(h) == w, 30,
                  f"the narrow of {mm_hash!r} to engine {engine}")
         read(receivers[engine], f"req-{mm_hash}", out, mm_hash)
-        assert first.store.unread(handle_from_item(out)) == (0, 0)
+        assert first.store.unread(handout_from_item(out).handle) == (0, 0)
 
 
 def test_a_request_refused_at_api_server_1_gives_back_through_the_host(node: Any) -> None:
     (first, second), _ = node
     out, _ = second.get_and_update_item((image_item(5), []), "h5")
     second.ledger.refused([handout_number(out)])
-    assert first.store.unread(handle_from_item(out)) == (0, 0)
+    assert first.store.unread(handout_from_item(out).handle) == (0, 0)
     assert second.ledger.settled["refused"] == 1
 
 
