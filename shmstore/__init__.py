@@ -18,6 +18,7 @@ import each other):
     queue                   the broadcast queue and the Channel
     cache                   sender and receiver caches, mm_hash, hit-ratio simulation
     relay                   a Channel published to other nodes over ZeroMQ
+    serving                 an engine's hand-outs, whatever the engine: sender, requests, nodes
     metrics                 Prometheus metrics of a store and its relay Publisher
     vllm                    the vLLM plugin
     cli                     the `shmstore` command

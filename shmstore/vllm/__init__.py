@@ -1,4 +1,6 @@
 """The vLLM plugin: shmstore serves vLLM's multimodal processor cache in every deployment shape.
+It is vLLM's adapter of the serving core (shmstore/serving: the sender's hand-outs, the request
+ledger, TP across nodes): vLLM's calls, configuration and item shapes are read here.
 
     plugin.py      the `vllm.general_plugins` entry point (imports nothing heavy)
     _env.py        the plugin's environment variable names and its logger's
@@ -6,19 +8,17 @@
     _deployment.py Deployment, read once from vLLM's configuration and the environment,
                    and open_writer, which picks this process's writer by shape
     _install.py    install(): binds vLLM's cache factories to the plugin's caches
-    _sender.py     the sender cache, in each API process
+    _sender.py     the sender cache, in each API process (on serving/_sender.py's Sender)
     _receiver.py   the receiver cache, in each worker
     _items.py      vLLM's items as stored values, and the handle items sent instead
     _records.py    an item's resolved prompt updates as a record stored beside its tensors
     _images.py     images decoded only when the processor needs them (a hit never decodes)
-    _hooks.py      the request hooks that make hand-outs follow requests
-    _nodes.py      the head's Publisher and each node's feed (TP across nodes)
-    _requests.py   the ledger that settles every hand-out when its request ends
+    _hooks.py      the request hooks that make hand-outs follow requests (serving's ledger)
 
 Only _vllm.py imports vllm, and only where the plugin runs inside vLLM; only
 _deployment.py reads vLLM's configuration and the environment (tests/vllm/test_vllm_door.py).
 
-May import: errors, handle, _proc, shm, store, queue, relay, metrics.
+May import: errors, handle, _proc, shm, store, queue, relay, serving, metrics.
 """
 
 from ._env import (

@@ -9,11 +9,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..serving._requests import RequestLedger, numbers_in
 from ._env import LEASE_ENV, LOG_NAME
 from ._images import done, pending, realize, unrealized
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
-from ._requests import RequestLedger, numbers_in
 from ._sender import SENDERS, ShmstoreSenderCache
 from ._vllm import install_hooks
 

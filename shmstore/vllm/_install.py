@@ -2,7 +2,7 @@
 to the plugin's caches (imported only by plugin.register).
 
 The caches are in _sender.py (API process) and _receiver.py (workers); the items they send
-in _items.py; the request hooks in _hooks.py; TP groups across nodes in _nodes.py.
+in _items.py; the request hooks in _hooks.py; the engine-neutral core in shmstore/serving.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 
 from .._proc import pid_alive, proc_stat
 from ..errors import ShmStoreError
+from ..serving._log import log_to
 from ..shm._segment import Segment, peek_header
 from ._deployment import Deployment
 from ._env import LOG_NAME
@@ -53,6 +54,7 @@ def _remove_if_orphaned(name: str) -> None:
 
 def install() -> None:
     """Route vLLM's `shm` cache type to shmstore, where vLLM's factories are bound."""
+    log_to(LOG_NAME)  # the serving core's lines print where vLLM prints the plugin's
     bind_cache_factories(ShmstoreSenderCache, ShmstoreReceiverCache,
                          lambda vllm_config: Deployment.read(vllm_config).keeps_shm())
     # vLLM names the segment when a process first asks, and sets the name in its environment:

@@ -1,7 +1,7 @@
 """The plugin's receiver cache, in each vLLM worker.
 
-Receiver (each worker), attached lazily with the worker's local rank; n_readers is the number
-of workers on the node. A TP group across nodes (`--nnodes`): see vllm/_nodes.py. A handle item
+Receiver (each worker; serving/_receiver.py), attached lazily with the worker's local rank; n_readers is the number
+of workers on the node. A TP group across nodes (`--nnodes`): see serving/_nodes.py. A handle item
 is read with `get` (owned tensors: the worker keeps them across steps) and turned back into
 vLLM's MultiModalKwargsItem. A handle that is stale or damaged raises vLLM's
 MultiModalCacheMissError with a log line saying why. (vLLM 0.32 retries that error only where
@@ -10,70 +10,52 @@ the engine core raises it; in a worker the step fails, as with vLLM's own shm ca
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
 from typing import Any
 
-from ..errors import (
-    CorruptObject,
-    StaleHandle,
-)
-from ..handle import key_digest
+from ..serving._nodes import NodeFeed
+from ..serving._receiver import Receiver, Unreadable
 from ..store._object_store import ObjectStore, StoreReader
 from ._deployment import Deployment, local_rank
-from ._env import LOG_NAME
-from ._items import (
-    handout_from_item,
-    value_to_item,
-)
-from ._nodes import FEED_ERRORS, NodeFeed
+from ._items import handout_from_item, value_to_item
 from ._vllm import BaseMultiModalReceiverCache, MultiModalCacheMissError
 
 __all__ = ["ShmstoreReceiverCache"]
 
-log = logging.getLogger(LOG_NAME)
-
-READ_MEMORY = 1 << 16  # (request, hand-out) pairs a worker remembers having read
-
 
 class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
-    """vLLM's cache in each worker: resolves handle items from the shared store.
-
-    A worker counts each hand-out once per request: vLLM may send a request it preempted
-    again as new (its V2 model runner does), and the second read must not take the read a
-    later hand-out of the same object is owed. Requests with several samples (n > 1) are one
-    request each, and the sender hands the item out once for each."""
+    """vLLM's cache in each worker: resolves handle items through serving/_receiver.py's
+    Receiver (each hand-out read once per request, checked against its item first)."""
 
     def __init__(self, vllm_config: Any, shared_worker_lock: Any = None) -> None:
         super().__init__()  # shared_worker_lock: accepted, not needed (no cross-process lock)
         d = self._deployment = Deployment.read(vllm_config)
-        self._name = d.name
+        name = d.name
         import torch
+
+        feed = None
+        if d.nodes > 1 and d.node_rank > 0:  # fed by this node's relay: attach before any request
+            feed = NodeFeed(name, d.per_engine, d.wait_s)
+        elif d.nodes > 1:
+            name = f"{name}.store"  # the head's channel's store
+
+        def attach() -> StoreReader:  # with the worker's local rank, at first use
+            first = d.first_reader(name)
+            return ObjectStore.attach(name, first + local_rank(), prefault=False)
 
         # with CUDA, tensors land in page-locked memory: vLLM's copy to the device then needs
         # no staging copy of its own
-        self._pin_memory = bool(torch.cuda.is_available())
-        self._reader: StoreReader | None = None
-        self._feed: NodeFeed | None = None
+        self._core = Receiver(attach, feed, pin_memory=bool(torch.cuda.is_available()))
         self._request: str | None = None  # the request whose items are being resolved
-        self._read: OrderedDict[tuple[str | None, int], None] = OrderedDict()
-        if d.nodes > 1 and d.node_rank > 0:  # fed by this node's relay: attach before any request
-            self._feed = NodeFeed(self._name, d.per_engine, d.wait_s)
-        elif d.nodes > 1:
-            self._name = f"{self._name}.store"  # the head's channel's store
 
     @property
     def feed(self) -> NodeFeed | None:
         """On a node other than the head: what reads this node's relay channel, else None."""
-        return self._feed
+        return self._core.feed
 
     @property
     def reader(self) -> StoreReader:
         """This worker's reader, attached at first use with the worker's local rank."""
-        if self._reader is None:
-            first = self._deployment.first_reader(self._name)
-            self._reader = ObjectStore.attach(self._name, first + local_rank(), prefault=False)
-        return self._reader
+        return self._core.reader
 
     def features_of_request(self, request_id: str, mm_features: list[Any]) -> list[Any]:
         """get_and_update_features for the features of one request (the worker hook)."""
@@ -84,8 +66,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
             self._request = None
 
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
-        if self._feed is not None:
-            self._feed.poll()  # handles that came, and a relay that ended or was replaced
+        if self._core.feed is not None:
+            self._core.feed.poll()  # handles that came, and a relay that ended or was replaced
         with_data = [f for f in mm_features if f.data is not None]
         super().get_and_update_features(with_data)
         return mm_features
@@ -94,29 +76,10 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         handout = handout_from_item(mm_item)
         if handout is None:
             return mm_item
-        handle, number = handout.handle, handout.number
-        if handle.key_digest != key_digest(mm_hash):
-            log.warning("shmstore: item %s carries the handle of another item; asking for it "
-                        "again", mm_hash)
-            raise MultiModalCacheMissError([mm_hash])
-        read = (self._request, number)
-        count = read not in self._read
         try:
-            if self._feed is not None:
-                value = self._feed.get(handout.object_id)
-            else:
-                if not 0 < number <= self.reader.handout_seq:
-                    raise StaleHandle(f"hand-out number {number} was never made by the store "
-                                      f"(its last is {self.reader.handout_seq})", handle)
-                value = self.reader.get(handle, count=count, pin_memory=self._pin_memory,
-                                        origin=handout.origin)
-        except (StaleHandle, CorruptObject, *FEED_ERRORS) as exc:
-            log.warning("shmstore: item %s cannot be read (%s); asking for it again", mm_hash, exc)
+            value = self._core.read(handout, mm_hash, self._request)
+        except Unreadable:
             raise MultiModalCacheMissError([mm_hash]) from None
-        if count:
-            self._read[read] = None
-            if len(self._read) > READ_MEMORY:
-                self._read.popitem(last=False)
         return value_to_item(value)
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
@@ -126,7 +89,4 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         return None  # the sender's clear() keeps what requests in flight still need
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-        if self._feed is not None:
-            self._feed.close()
+        self._core.close()

@@ -26,22 +26,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import (
-    KeyExists,
-    ObjectTooLarge,
-    StaleHandle,
-    StoreFull,
-    Timeout,
-)
-from ..handle import Handle, HandOut
+from ..errors import InvalidArgument, KeyExists
+from ..handle import HandOut
+from ..serving._nodes import HeadPublisher
+from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
 from . import _images
 from ._deployment import Deployment, open_writer
-from ._env import LOG_NAME
+from ._env import LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
-from ._nodes import HeadPublisher
 from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
-from ._requests import RequestLedger
 from ._vllm import (
     BaseMultiModalProcessorCache,
     CacheInfo,
@@ -65,7 +59,7 @@ _FINGERPRINT: contextvars.ContextVar[bytes | None] = contextvars.ContextVar(
 class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     """vLLM's P0 cache, backed by one shmstore ObjectStore (this process writes it).
 
-    Its hand-outs follow vLLM's requests (vllm/_requests.py): the hooks `install()` puts into
+    Its hand-outs follow vLLM's requests (serving/_requests.py): the hooks `install()` puts into
     vLLM's API process tell `ledger` when a request is added, refused or ends."""
 
     def __init__(self, vllm_config: Any) -> None:
@@ -75,17 +69,16 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self.engines, self.readers_per_engine = d.engines, d.per_engine
         self._updates: dict[str, Sequence[Any]] = {}  # prompt updates stay on P0
         self._prune_at = PRUNE_UPDATES
-        self._touched: dict[str, HandOut] = {}  # hand-outs taken for vLLM's touches, kept
         self._hits = self._total = 0
         self._last = CacheInfo(hits=0, total=0)
         self._lock = threading.RLock()  # around every call of the writer, the host's too
-        self._writers = open_writer(d, self._lock, lambda make: HeadPublisher(make, d))
+        self._writers = open_writer(d, self._lock, lambda make: _head(make, d))
         self._store: WriterAPI = self._writers.store
-        self._head: HeadPublisher | None = self._writers.head
-        self.ledger = RequestLedger(self._store, d.settle_s, d.lease_s, self._is_touched,
-                                    lock=self._lock)
+        self._core = Sender(self._store, self._lock, settle_s=d.settle_s, lease_s=d.lease_s,
+                            head=self._writers.head)
+        self.ledger = self._core.ledger
+        self.items = self._core.items
         self.segment, self.api_server = d.name, d.api_rank
-        self.items = dict.fromkeys(("hit", "shared", "stored", "inline"), 0)
         self.skipped = dict.fromkeys(("decode", "processor"), 0)
         self.refused = dict.fromkeys(REFUSALS, 0)
         self.lazy_images = d.lazy_images and _images.install()
@@ -95,7 +88,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                  "layout: %d API server(s) (this is %d, %s), %d engine(s) x %d worker(s) = %d "
                  "reader(s)%s", d.name, d.capacity_bytes, d.policy, d.api_servers, d.api_rank,
                  self._writers.role, d.engines, d.per_engine, d.n_readers,
-                 "" if self._head is None else " on this node and the relay publisher")
+                 "" if self._writers.head is None else " on this node and the relay publisher")
 
     @property
     def inline_fallbacks(self) -> int:
@@ -109,17 +102,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def routed(self, request_id: str, engine: int) -> None:
         """The DP client sends `request_id` to engine `engine` (its DP rank): its hand-outs are
         owed by that engine's workers only."""
-        if self.engines > 1:
-            first = engine % self.engines * self.readers_per_engine
-            self.ledger.routed(request_id, range(first, first + self.readers_per_engine))
+        self._core.routed(request_id, engine, self.engines, self.readers_per_engine)
 
     @property
     def publisher(self) -> Any:
         """The relay Publisher of a TP group across nodes (shmstore.relay._publisher.Publisher), else None."""
-        return None if self._head is None else self._head.publisher
-
-    def _is_touched(self, handle: Handle) -> bool:
-        return any(kept.handle == handle for kept in self._touched.values())
+        head = self._writers.head
+        return None if head is None else head.publisher
 
     def processing(self, hf_processor_mm_kwargs: Any) -> contextvars.Token[bytes | None]:
         """vLLM starts processing a request with these kwargs in this context: records are
@@ -149,50 +138,40 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         take the hits' hand-outs now, in one call (one round trip through another API
         server's host), so they are pinned from here on and the touches cost nothing. Hand-outs
         a request never uses (its processing failed) go back at the next release."""
+        fingerprint = _FINGERPRINT.get()
+
+        def accept(mm_hash: str, hit: HandOut) -> bool:
+            if mm_hash in self._updates:
+                return True
+            assert fingerprint is not None  # only then is an unseen hash asked for
+            try:
+                self._updates[mm_hash] = read(hit.record, fingerprint, self.deployment.vocab_size)
+            except Exception as exc:  # today's path: the processor runs here
+                reason = exc.reason if isinstance(exc, RecordRefused) else "damaged"
+                (log.debug if isinstance(exc, RecordRefused) else log.warning)(
+                    "shmstore: record of %s refused (%s)", mm_hash, exc)
+                with self.ledger.lock:
+                    self.refused[reason] += 1
+                return False
+            with self.ledger.lock:
+                self.skipped["processor"] += 1
+            return True
+
         with self._lock:
-            fingerprint = _FINGERPRINT.get()
-            want = list(dict.fromkeys(h for h in mm_hashes if h not in self._touched and (
-                fingerprint is not None or h in self._updates)))
-            field = None if fingerprint is None else RECORD_FIELD
-            found = self._store.hand_out_cached(want, field) if want else []
-            for mm_hash, hit in zip(want, found, strict=True):
-                if hit is None:
-                    continue
-                if mm_hash not in self._updates:
-                    assert fingerprint is not None  # only then is an unseen hash asked for
-                    try:
-                        self._updates[mm_hash] = read(hit.record, fingerprint,
-                                                      self.deployment.vocab_size)
-                    except Exception as exc:  # today's path: the processor runs here
-                        reason = exc.reason if isinstance(exc, RecordRefused) else "damaged"
-                        (log.debug if isinstance(exc, RecordRefused) else log.warning)(
-                            "shmstore: record of %s refused (%s)", mm_hash, exc)
-                        self._store.give_back(hit.handle, hit.number, wait=False)
-                        with self.ledger.lock:
-                            self.refused[reason] += 1
-                        continue
-                    with self.ledger.lock:
-                        self.skipped["processor"] += 1
-                self._touched[mm_hash] = hit
-            cached = [h in self._touched for h in mm_hashes]
+            self._core.touch([h for h in mm_hashes if fingerprint is not None
+                              or h in self._updates],
+                             None if fingerprint is None else RECORD_FIELD, accept)
+            cached = [h in self._core.touched for h in mm_hashes]
         _images.realize_misses(mm_hashes, cached)  # vLLM reads the misses' pixels next
         return cached
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:  # is_cached took the hits' hand-outs: this finds them there
-            if mm_hash not in self._touched and mm_hash in self._updates:
-                hit = self._store.hand_out_cached([mm_hash])[0]
-                if hit is not None:
-                    self._touched[mm_hash] = hit
+            if mm_hash in self._updates:
+                self._core.touch_one(mm_hash)
 
     def release_sender_touches(self) -> None:
-        with self._lock:
-            touched, self._touched = self._touched, {}
-            for kept in touched.values():
-                try:  # that hand-out, not the object's last (another server's, maybe narrowed)
-                    self._store.give_back(kept.handle, kept.number)
-                except StaleHandle:
-                    pass  # cleared meanwhile: nothing to give back
+        self._core.release()
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
         with self._lock:
@@ -200,95 +179,47 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def _get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
         self._total += 1
-        handout = self._touched.pop(mm_hash, None)
-        if handout is not None and self._head is not None:
-            # published hand-outs go out in the order they are made: renew the kept one
-            handout = self._head.renew(handout)
-        if handout is None and mm_hash in self._updates:
-            handout = self._store.hand_out_cached([mm_hash])[0]
+        core = self._core
+        handout = core.hit(mm_hash, cached_here=mm_hash in self._updates)
         if handout is not None:
             self._hits += 1
-            self.items["hit"] += 1
-            out = self._hand_out(handout, mm_item, mm_hash)
+            out = self._deliver(handout, mm_item, mm_hash)
             return (mm_item if out is None else out), self._updates[mm_hash]
         if mm_item is None:
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
+        value = item_to_value(item)
+        fingerprint = _FINGERPRINT.get()
+        record = None if fingerprint is None else write(prompt_updates, fingerprint)
+        if record is not None:
+            value[RECORD_FIELD] = record
         try:
-            handout = self._put(mm_hash, item, prompt_updates)
+            handout = core.store_new(mm_hash, value)
         except KeyExists:  # stored (by another API server), but not its prompt updates here
-            handout = self._store.hand_out_cached([mm_hash])[0]
-            if handout is None:  # evicted in between: not worth a second try
-                self.items["inline"] += 1
-                return mm_item  # type: ignore[no-any-return]
-            self.items["shared"] += 1
-        else:
-            if handout is None:
-                return mm_item  # type: ignore[no-any-return]
-            self.items["stored"] += 1
+            handout = core.shared(mm_hash)
+        if handout is None:
+            return mm_item  # type: ignore[no-any-return]
         if len(self._updates) >= self._prune_at:  # drop the updates of items gone from the store
             keys = list(self._updates)
             cached = self._store.cached(keys)
             self._updates = {k: self._updates[k] for k, c in zip(keys, cached, strict=True) if c}
             self._prune_at = 2 * len(self._updates) + PRUNE_UPDATES
         self._updates[mm_hash] = prompt_updates
-        out = self._hand_out(handout, mm_item, mm_hash)
+        out = self._deliver(handout, mm_item, mm_hash)
         return (mm_item if out is None else (out, prompt_updates))
 
-    def _put(self, mm_hash: str, item: Any, prompt_updates: Sequence[Any]) -> HandOut | None:
-        """Store a miss, with the record of its prompt updates where they have one; None:
-        send it inline (too large, or the store is full even after withdrawing what only
-        ended requests held)."""
-        value = item_to_value(item)
-        fingerprint = _FINGERPRINT.get()
-        record = None if fingerprint is None else write(prompt_updates, fingerprint)
-        if record is not None:
-            value[RECORD_FIELD] = record
-        for attempt in range(2):
-            try:
-                return self._store.hand_out_new(mm_hash, value, timeout=0)
-            except StoreFull as exc:
-                if attempt == 0 and self.ledger.settle(full=True):
-                    continue
-                why: Exception = exc
-            except ObjectTooLarge as exc:
-                why = exc
-            self.items["inline"] += 1
-            log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
-            return None
-        return None  # not reached: the loop returns on its last attempt
-
-    def _hand_out(self, handout: HandOut, mm_item: Any, mm_hash: str) -> Any:
-        """The handle item for `handout`, just made; on a TP group across nodes, also sent to
-        the other nodes. None: give the data inline instead (a node's relay is not connected,
-        or too slow to take it); the hand-out is given back."""
-        head = self._head
-        if head is not None:
-            why = "" if head.ready() else "a node's relay is not connected"
-            if not why:
-                try:
-                    head.publish(handout)
-                except Timeout:  # given back by publish
-                    why = "the relays did not take it in time"
-            else:
-                self._store.give_back(handout.handle, handout.number)
-            if why:
-                if mm_item is None:  # a hit without data: nothing to send inline
-                    log.warning("shmstore: item %s cannot reach every node (%s)", mm_hash, why)
-                    raise MultiModalCacheMissError([mm_hash])
-                self.items["inline"] += 1
-                log.debug("shmstore: item %s sent inline (%s)", mm_hash, why)
-                return None
-        self.ledger.handed_out(handout.number, handout.handle, mm_hash)
-        return handle_item(handout)
+    def _deliver(self, handout: HandOut, mm_item: Any, mm_hash: str) -> Any:
+        """The handle item for `handout`; None: give the data inline instead."""
+        try:
+            delivered = self._core.deliver(handout, mm_hash, has_data=mm_item is not None)
+        except Unreachable:
+            raise MultiModalCacheMissError([mm_hash]) from None
+        return None if delivered is None else handle_item(delivered)
 
     def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
         handout = handout_from_item(mm_item)
-        if handout is None:
-            return
-        with self._lock:  # the worker's checks, made here first, by the store that made it
-            issued = self._store.issued(mm_hash, handout)
-        if not issued:
+        if handout is not None and not self._core.issued(mm_hash, handout):
+            # the worker's checks, made here first, by the store that made the hand-out
             raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
                              "server did not issue for it (forged, stale or from another "
                              "server); send the data instead")
@@ -302,9 +233,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """vLLM's reset_mm_cache: new requests find nothing; the hand-outs of requests in
         flight stay readable until their workers have read them."""
         with self._lock:
-            self.release_sender_touches()
-            self._store.clear(keep_handed_out=True)
-            self.ledger.forget()
+            self._core.clear()
             self._updates.clear()
             self._hits = self._total = 0
             self._last = CacheInfo(hits=0, total=0)
@@ -317,12 +246,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def close(self) -> None:
         self._unregister_metrics()
-        self.ledger.close()
+        self._core.close()
         with self._lock:
             if self in SENDERS:
                 SENDERS.remove(self)
-            if not self._store.closed:
-                self.release_sender_touches()
             self._writers.close()
 
 
@@ -389,6 +316,17 @@ def _export_metrics(sender: ShmstoreSenderCache) -> Any:
         for each in stops:
             each()
     return stop
+
+
+def _head(make_channel: Any, d: Deployment) -> HeadPublisher:
+    """The head's Publisher of a TP group across nodes, once the address is set."""
+    if not d.publish:
+        raise InvalidArgument(
+            f"this vLLM tensor-parallel group spans {d.nodes} nodes: shmstore needs a relay "
+            f"per other node. Set {PUBLISH_ENV}=tcp://THIS_HOST:PORT here and run `shmstore "
+            "relay connect tcp://THIS_HOST:PORT --name NAME --readers N` on each other node "
+            "(see the README), or use --mm-processor-cache-type lru", PUBLISH_ENV, None)
+    return HeadPublisher(make_channel, d)
 
 
 def blake3_16(data: bytes) -> bytes:

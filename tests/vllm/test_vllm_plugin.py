@@ -44,6 +44,7 @@ from shmstore.relay import (  # noqa: E402
     Timing,
     generate_keys,
 )
+from shmstore.serving._nodes import NodeFeed  # noqa: E402
 from shmstore.vllm._env import (  # noqa: E402
     ALLOW_ENV,
     INSECURE_ENV,
@@ -53,7 +54,6 @@ from shmstore.vllm._env import (  # noqa: E402
 )
 from shmstore.vllm._install import _remove_if_orphaned  # noqa: E402
 from shmstore.vllm._items import HANDLE_FIELD, HANDLE_WORDS, handout_from_item  # noqa: E402
-from shmstore.vllm._nodes import NodeFeed  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
 from tests._names import Channel, Closed, InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
@@ -575,7 +575,7 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
             remote.get_and_update_item(forged, "h2")
         assert 0.4 < time.monotonic() - started < 5
         # handles no request here asks for are kept up to a bound, then given up oldest first
-        monkeypatch.setattr("shmstore.vllm._nodes.MAX_WAITING", 1)
+        monkeypatch.setattr("shmstore.serving._nodes.MAX_WAITING", 1)
         later = {f"h{i}": over_the_wire(sender.get_and_update_item((image_item(i), []), f"h{i}")[0])
                  for i in (5, 6, 7)}
         assert same_item(remote.get_and_update_item(later["h7"], "h7"), image_item(7))

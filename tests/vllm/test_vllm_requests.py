@@ -21,10 +21,10 @@ from vllm.multimodal.inputs import (
 )
 
 from shmstore.handle import Handle, HandOut
+from shmstore.serving._requests import numbers_in
 from shmstore.vllm._env import LEASE_ENV, SETTLE_ENV
 from shmstore.vllm._items import HANDLE_FIELD, handle_item, handout_number
 from shmstore.vllm._receiver import ShmstoreReceiverCache
-from shmstore.vllm._requests import numbers_in
 from shmstore.vllm._sender import ShmstoreSenderCache
 from tests.vllm.test_vllm_plugin import config, image_item, over_the_wire, same_item
 

@@ -1,4 +1,5 @@
-"""Hand-outs that follow vLLM requests (imported only by the vLLM plugin, in the API process).
+"""Hand-outs that follow an engine's requests (in the API process), told by the engine's adapter
+(vLLM's: vllm/_hooks.py, whose hook names are in the table below).
 
 vLLM's workers read a request's multimodal items when the request is first scheduled. A request
 that never gets there (refused after rendering, aborted while queued, failed) would leave its
@@ -34,14 +35,13 @@ settles as exactly as one that nobody read, and a read that still came would fai
 object with a hand-out of a live request, or one a request is being rendered with (touched), is
 left alone.
 
-Threads: the sender's cache methods run on vLLM's multimodal thread, the hooks on the event
-loop (AsyncLLM) or the caller's thread (LLMEngine). Every method takes `lock`, which the sender
+Threads (vLLM): the sender's cache methods run on vLLM's multimodal thread, the hooks on the
+event loop (AsyncLLM) or the caller's thread (LLMEngine). Every method takes `lock`, which the sender
 also holds around each of its store calls: the store writer sees one thread at a time.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -52,11 +52,10 @@ from typing import Any
 from ..errors import Closed, SegmentClosed, ShmStoreError, StaleHandle
 from ..handle import Handle
 from ..store._api import WriterAPI
-from ._env import LOG_NAME
+from ._log import log
 
 __all__ = ["RequestLedger", "REASONS"]
 
-log = logging.getLogger(LOG_NAME)
 REASONS = ("refused", "aborted", "finished_unread", "lease")
 PRUNE_EVERY_S = 1.0  # how often the sweep thread tells the store which hand-outs are over
 

@@ -1,32 +1,30 @@
-"""The vLLM plugin across nodes: a tensor-parallel group whose workers span machines (vLLM's
-`--nnodes N`), fed by shmstore's relay (relay/_node.py). Imported only inside vLLM.
+"""A tensor-parallel group whose workers span machines, fed by shmstore's relay (relay/_node.py).
 
-    head node (node rank 0)                                  node k (vllm serve --headless)
-    API process: sender cache                                `shmstore relay connect ...`
+    head node (node rank 0)                                  node k
+    API process: sender                                      `shmstore relay connect ...`
       store <name>.store, queue <name>.queue                   Relay --> channel NAME_k
-      every hand-out: handle item to vLLM + publish  ...tcp...   |
+      every hand-out: to the engine + publish        ...tcp...   |
       Publisher thread (reader L of the channel) ---------------+   workers: NodeFeed each
     workers 0..L-1: read <name>.store by handle (as on one node)   (a free reader of NAME_k)
 
-On the head, SHMSTORE_VLLM_PUBLISH names the address the Publisher binds; the store has the L
-local workers plus the Publisher as readers. A hand-out goes by handle only while every other
-node's relay is connected; before that (or while one is reconnecting) the item goes inline
-with its data, which every worker can use. Each handle item also carries the object's origin
-seq, so a worker on node k knows the key its relay stored the bytes under (the object id).
+On the head, the deployment's `publish` names the address the Publisher binds; the store has
+the L local workers plus the Publisher as readers. A hand-out goes by handle only while every
+other node's relay is connected; before that (or while one is reconnecting) the item goes with
+its data, which every worker can use. Each hand-out carries the object id, so a worker on
+node k knows the key its relay stored the bytes under.
 
-On node k, `shmstore relay connect tcp://HEAD:PORT --name NAME_k --readers L_k` runs first;
-vLLM there runs with VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME=NAME_k. Each worker attaches a free
-reader index of NAME_k when vLLM builds its cache (before any request, so it misses nothing;
-the relay waits for all L_k before it connects). vLLM hands items to workers in scheduling
-order, not in hand-out order: a worker takes the relay's handles in order, keeps those it does
-not need yet (owed to it, so the relay's ring keeps them), and reads the one it needs.
+On node k, `shmstore relay connect tcp://HEAD:PORT --name NAME_k --readers L_k` runs first,
+and the engine there reads NAME_k. Each worker attaches a free reader index of NAME_k before
+any request (so it misses nothing; the relay waits for all L_k before it connects). An engine
+hands items to workers in scheduling order, not in hand-out order: a worker takes the relay's
+handles in order, keeps those it does not need yet (owed to it, so the relay's ring keeps
+them), and reads the one it needs. The vLLM adapter: vllm/_sender.py and vllm/_receiver.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import time
 from collections import deque
 from typing import Any
@@ -44,11 +42,10 @@ from ..errors import (
 )
 from ..handle import Handle, HandOut, key_digest
 from ..queue._channel import Channel, ChannelReader, ChannelWriter
-from ._env import LOG_NAME, PUBLISH_ENV
+from ._log import log
 
 __all__ = ["HeadPublisher", "NodeFeed", "FEED_ERRORS"]
 
-log = logging.getLogger(LOG_NAME)
 PUBLISH_TIMEOUT_S = 30.0  # a hand-out waits this long for queue space (a slow node)
 MAX_WAITING = 4096  # handles a node-k worker keeps for items it has not been given yet
 
@@ -57,17 +54,15 @@ class HeadPublisher:
     """The head node's side: a Channel whose store the sender cache uses, and its Publisher."""
 
     def __init__(self, make_channel: Any, d: Any) -> None:
-        """`d`: the Deployment (vllm/_deployment.py) of a TP group across nodes."""
+        """`d`: the deployment of a TP group across nodes (vllm/_deployment.py Deployment):
+        its name, nodes, n_readers (local), and the Publisher's address (publish, which the
+        adapter checked is set), keys_file, allow and insecure."""
         from ..relay import CurveKeys, Publisher, PublisherSecurity
 
         n_remote_nodes, n_local, name = d.nodes - 1, d.n_readers, d.name
         if not d.publish:
-            raise InvalidArgument(
-                f"this vLLM tensor-parallel group spans {n_remote_nodes + 1} nodes: shmstore "
-                f"needs a relay per other node. Set {PUBLISH_ENV}=tcp://THIS_HOST:PORT here and "
-                "run `shmstore relay connect tcp://THIS_HOST:PORT --name NAME --readers N` on "
-                "each other node (see the README), or use --mm-processor-cache-type lru",
-                PUBLISH_ENV, None)
+            raise InvalidArgument(f"a TP group across {d.nodes} nodes needs the address its "
+                                  "Publisher binds", "publish", None)
         keys = CurveKeys.load(d.keys_file) if d.keys_file else None
         allowed = tuple(CurveKeys.load(p).public for p in d.allow) if d.allow else None
         self.n_remote_nodes = n_remote_nodes
@@ -217,11 +212,12 @@ def _attach_free(name: str, n_local: int) -> ChannelReader:
         except ReaderIndexError:
             raise InvalidArgument(
                 f"every reader of relay channel {name!r} is taken ({index}): start `shmstore "
-                f"relay connect` on this node with --readers {n_local} (its vLLM workers)",
+                f"relay connect` on this node with --readers {n_local} (its workers)",
                 "readers", index) from None
         except SegmentNotFound:
             raise SegmentNotFound(
                 f"no relay channel {name!r} on this node: start `shmstore relay connect "
-                f"tcp://HEAD:PORT --name {name} --readers {n_local}` here before vLLM, with "
-                f"VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME={name} for vLLM", name) from None
+                f"tcp://HEAD:PORT --name {name} --readers {n_local}` here before the engine, "
+                f"and have the engine read {name} (vLLM: "
+                f"VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME={name})", name) from None
     raise AssertionError("unreachable")

@@ -1,0 +1,12 @@
+"""Serving, whatever the engine: the sender's hand-outs, the requests they follow, and a tensor-
+parallel group across nodes. An engine's adapter (vLLM's: the vllm layer) turns its calls and
+items into these.
+
+    _sender.py     Sender: hits, misses, touches, settle-then-retry, delivery to the engine
+    _receiver.py   Receiver: a worker's reads, each hand-out once per request, checked first
+    _requests.py   RequestLedger: every hand-out settled with its request
+    _nodes.py      HeadPublisher (the head's relay Publisher) and NodeFeed (a worker on node k)
+    _log.py        the core's logger, sent through the engine's own (log_to)
+
+May import: errors, handle, _proc, shm, serde, store, queue, relay.
+"""
