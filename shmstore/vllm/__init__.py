@@ -13,6 +13,7 @@ ledger, TP across nodes): vLLM's calls, configuration and item shapes are read h
     _items.py      vLLM's items as stored values, and the handle items sent instead
     _records.py    an item's resolved prompt updates as a record stored beside its tensors
     _images.py     images decoded only when the processor needs them (a hit never decodes)
+    _scope.py      one request's processing as one object (fingerprint, pending images)
     _hooks.py      the request hooks that make hand-outs follow requests (serving's ledger)
 
 Only _vllm.py imports vllm, and only where the plugin runs inside vLLM; only

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..serving._requests import RequestLedger, numbers_in
+from . import _scope
 from ._env import LEASE_ENV, LOG_NAME
-from ._images import done, pending, realize, unrealized
+from ._images import pending, realize, unrealized
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
 from ._sender import SENDERS, ShmstoreSenderCache
@@ -41,6 +42,8 @@ def _render_ended(numbers: list[int]) -> None:
         ledger.render_ended(numbers)
 
 
+# the hand-outs rendered in this asyncio task (a request's), a scope of its own: the processing
+# thread does not share the task's context (vllm/_scope.py has the request's processing)
 _RENDERED: contextvars.ContextVar[_Rendered | None] = contextvars.ContextVar(
     "shmstore_rendered", default=None)
 
@@ -179,14 +182,10 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
             cache = getattr(inputs, "cache", None)
             if not isinstance(cache, ShmstoreSenderCache):
                 return original(self, inputs, *args, **kwargs)
-            token = cache.processing(getattr(inputs, "hf_processor_mm_kwargs", None))
-            undecoded = 0
-            try:
+            with cache.processing(getattr(inputs, "hf_processor_mm_kwargs", None)) as scope:
                 result = original(self, inputs, *args, **kwargs)
-                undecoded = unrealized(getattr(inputs, "mm_data_items", None))
+                scope.undecoded = unrealized(getattr(inputs, "mm_data_items", None))
                 return result
-            finally:
-                cache.processed(token, undecoded)
         return wrapper
 
     def missing_items(original: Any) -> Any:
@@ -197,11 +196,12 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
             # the sender's is_cached decodes the misses' lazy images (vLLM's decode, its own
             # errors) before this step reads them for the processor
             call = signature.bind(self, *args, **kwargs).arguments
-            token = pending(call.get("mm_data_items"), call.get("mm_hashes"))
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                done(token)
+            with _scope.within() as scope:
+                scope.pending = pending(call.get("mm_data_items"), call.get("mm_hashes"))
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    scope.pending = {}
         return wrapper
 
     def uncached_apply(original: Any) -> Any:

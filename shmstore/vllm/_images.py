@@ -17,7 +17,6 @@ decode of the same bytes on first use: the same pixels (nothing converts or rota
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import io
 from collections.abc import Callable, Iterable, Sequence
@@ -25,13 +24,10 @@ from typing import Any
 
 from ._vllm import MediaWithBytes, install_image_loader, max_image_pixels, open_image
 
-__all__ = ["LazyImage", "lazy_loader", "install", "realize", "unrealized", "pending", "done",
+__all__ = ["LazyImage", "lazy_loader", "install", "realize", "unrealized", "pending",
            "realize_misses"]
 
 ORIENTATION = 0x0112  # the EXIF tag vLLM's exif_transpose acts on (values 2..8 rotate)
-# the lazy images of the request whose cached items vLLM is finding, by hash
-_PENDING: contextvars.ContextVar[dict[str, list[LazyImage]] | None] = contextvars.ContextVar(
-    "shmstore_pending_images", default=None)
 
 
 class LazyImage(MediaWithBytes):  # type: ignore[misc]
@@ -98,9 +94,9 @@ def _lazy_images(items: Any) -> Iterable[LazyImage]:
             yield from (d for d in data if isinstance(d, LazyImage))
 
 
-def pending(items: Any, hashes: Any) -> contextvars.Token[dict[str, list[LazyImage]] | None]:
+def pending(items: Any, hashes: Any) -> dict[str, list[LazyImage]]:
     """vLLM is about to ask the cache which of `items` (by modality, with `hashes` by
-    modality) are cached: list their lazy images for realize_misses."""
+    modality) are cached: their lazy images not decoded yet, by hash (for realize_misses)."""
     found: dict[str, list[LazyImage]] = {}
     for modality, modality_hashes in (hashes or {}).items():
         data = getattr((items or {}).get(modality), "data", None)
@@ -108,17 +104,14 @@ def pending(items: Any, hashes: Any) -> contextvars.Token[dict[str, list[LazyIma
             for mm_hash, item in zip(modality_hashes, data, strict=True):
                 if isinstance(item, LazyImage) and not item.realized:
                     found.setdefault(mm_hash, []).append(item)
-    return _PENDING.set(found)
+    return found
 
 
-def done(token: contextvars.Token[dict[str, list[LazyImage]] | None]) -> None:
-    _PENDING.reset(token)
-
-
-def realize_misses(hashes: Sequence[str], cached: Sequence[bool]) -> None:
-    """Decode the pending lazy images of the hashes that are not cached (vLLM reads them for
-    its processor next); vLLM's error for an image it cannot decode is raised here."""
-    found = _PENDING.get()
+def realize_misses(found: dict[str, list[LazyImage]], hashes: Sequence[str],
+                   cached: Sequence[bool]) -> None:
+    """Decode the lazy images in `found` (a request scope's pending ones) of the hashes that
+    are not cached (vLLM reads them for its processor next); vLLM's error for an image it
+    cannot decode is raised here."""
     if found:
         for mm_hash, hit in zip(hashes, cached, strict=True):
             if not hit:

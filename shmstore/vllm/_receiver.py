@@ -1,11 +1,12 @@
 """The plugin's receiver cache, in each vLLM worker.
 
-Receiver (each worker; serving/_receiver.py), attached lazily with the worker's local rank; n_readers is the number
-of workers on the node. A TP group across nodes (`--nnodes`): see serving/_nodes.py. A handle item
-is read with `get` (owned tensors: the worker keeps them across steps) and turned back into
-vLLM's MultiModalKwargsItem. A handle that is stale or damaged raises vLLM's
-MultiModalCacheMissError with a log line saying why. (vLLM 0.32 retries that error only where
-the engine core raises it; in a worker the step fails, as with vLLM's own shm cache.)
+Receiver (each worker; serving/_receiver.py), attached lazily with the worker's local rank;
+n_readers is the number of workers on the node. A TP group across nodes (`--nnodes`): see
+serving/_nodes.py. A handle item is read with `get` (owned tensors: the worker keeps them
+across steps) and turned back into vLLM's MultiModalKwargsItem. A handle that is stale or
+damaged raises vLLM's MultiModalCacheMissError with a log line saying why. (vLLM 0.32 retries
+that error only where the engine core raises it; in a worker the step fails, as with vLLM's own
+shm cache.)
 """
 
 from __future__ import annotations

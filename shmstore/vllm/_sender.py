@@ -20,10 +20,10 @@ Sender (API process, "P0"), one per engine::
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import InvalidArgument, KeyExists
@@ -31,7 +31,7 @@ from ..handle import HandOut
 from ..serving._nodes import HeadPublisher
 from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
-from . import _images
+from . import _images, _scope
 from ._deployment import Deployment, open_writer
 from ._env import LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
@@ -50,10 +50,6 @@ log = logging.getLogger(LOG_NAME)
 PRUNE_UPDATES = 64  # prompt updates kept beyond twice those of cached items before a prune
 SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
 REFUSALS = ("missing", "version", "fingerprint", "damaged")  # RecordRefused.reason
-# the fingerprint of the request being processed in this context (set by the processor hook
-# around vLLM's cached processing; None outside it: no record is written or read)
-_FINGERPRINT: contextvars.ContextVar[bytes | None] = contextvars.ContextVar(
-    "shmstore_fingerprint", default=None)
 
 
 class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
@@ -110,9 +106,11 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         head = self._writers.head
         return None if head is None else head.publisher
 
-    def processing(self, hf_processor_mm_kwargs: Any) -> contextvars.Token[bytes | None]:
-        """vLLM starts processing a request with these kwargs in this context: records are
-        written and read with its fingerprint until `processed(token)`."""
+    @contextmanager
+    def processing(self, hf_processor_mm_kwargs: Any) -> Iterator[_scope.RequestScope]:
+        """vLLM processes a request with these kwargs in this block (the processor hook): a
+        request scope (vllm/_scope.py), current for the block, with the fingerprint records
+        are written and read with."""
         fingerprint = None
         if self.deployment.share_updates:
             try:
@@ -120,13 +118,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                                         + kwargs_digest(hf_processor_mm_kwargs or {}))
             except Exception as exc:  # kwargs vLLM's hasher cannot take: nothing shared
                 log.debug("shmstore: no prompt-update records for kwargs (%s)", exc)
-        return _FINGERPRINT.set(fingerprint)
-
-    def processed(self, token: contextvars.Token[bytes | None], undecoded: int) -> None:
-        """The request's processing ended; `undecoded` of its images were never decoded."""
-        _FINGERPRINT.reset(token)
+        with _scope.opened(fingerprint) as scope:
+            yield scope
         with self.ledger.lock:
-            self.skipped["decode"] += undecoded
+            self.skipped["decode"] += scope.undecoded
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
@@ -138,7 +133,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         take the hits' hand-outs now, in one call (one round trip through another API
         server's host), so they are pinned from here on and the touches cost nothing. Hand-outs
         a request never uses (its processing failed) go back at the next release."""
-        fingerprint = _FINGERPRINT.get()
+        scope = _scope.current()
+        fingerprint = None if scope is None else scope.fingerprint
 
         def accept(mm_hash: str, hit: HandOut) -> bool:
             if mm_hash in self._updates:
@@ -162,7 +158,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                               or h in self._updates],
                              None if fingerprint is None else RECORD_FIELD, accept)
             cached = [h in self._core.touched for h in mm_hashes]
-        _images.realize_misses(mm_hashes, cached)  # vLLM reads the misses' pixels next
+        if scope is not None:  # vLLM reads the misses' pixels next
+            _images.realize_misses(scope.pending, mm_hashes, cached)
         return cached
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
@@ -189,7 +186,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
         value = item_to_value(item)
-        fingerprint = _FINGERPRINT.get()
+        scope = _scope.current()
+        fingerprint = None if scope is None else scope.fingerprint
         record = None if fingerprint is None else write(prompt_updates, fingerprint)
         if record is not None:
             value[RECORD_FIELD] = record

@@ -20,7 +20,7 @@ from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.media.connector import MediaConnector
 from vllm.multimodal.media.image import ImageMediaIO
 
-from shmstore.vllm import _hooks
+from shmstore.vllm import _hooks, _scope
 from shmstore.vllm._images import LazyImage, lazy_loader, realize_misses, unrealized
 
 EAGER = ImageMediaIO.load_bytes
@@ -143,7 +143,9 @@ def test_the_processor_hooks_decode_the_misses_and_count_the_rest() -> None:
 
     def find_missing(self: Any, cache: Any, mm_data_items: Any, mm_hashes: Any) -> Any:
         cached = [h == "hit" for h in mm_hashes["image"]]
-        realize_misses(mm_hashes["image"], cached)  # as the sender's is_cached does
+        scope = _scope.current()  # the step's, opened by the hook
+        assert scope is not None
+        realize_misses(scope.pending, mm_hashes["image"], cached)  # as is_cached does
         seen.append([getattr(d, "realized", None) for d in mm_data_items["image"].data])
         return cached, "missing"
 
@@ -152,7 +154,7 @@ def test_the_processor_hooks_decode_the_misses_and_count_the_rest() -> None:
                 mm_hashes={"image": ["hit", "miss", "png"]}) == ([True, False, False], "missing")
     assert seen == [[False, True, None]] and not hit.realized  # the hit never decoded
     assert unrealized(items(hit, miss, png)) == 1
-    realize_misses(["hit"], [False])  # outside the step: nothing pending, nothing decoded
+    assert _scope.current() is None  # the step's scope ended with it: nothing pending after
     assert not hit.realized
     uncached = hooks["uncached_apply"](lambda self, inputs: "processed")
     assert uncached(None, SimpleNamespace(mm_data_items=items(hit))) == "processed"

@@ -153,37 +153,36 @@ def test_every_byte_of_a_record_damaged_in_the_store_falls_back(node: Any) -> No
     other API server never uses it (the CRC fails: not handed out, the processor runs)."""
     (first, second), receivers = node
     updates = families()["llava"]
-    token = first.processing({})
     try:
-        first.get_and_update_item((image_item(3), updates), "h3")
-        entry = first.store._index.by_key["h3"]
-        body = first.store._writer_ring.payload(entry.chunk)[first.store._header_bytes:]
-        record = _records.write(updates, _fingerprint(first))
-        assert record is not None
-        at = bytes(body[:4096]).index(record)
-        for i in range(len(record)):
-            body[at + i] ^= 0x41
-            assert second.is_cached(["h3"]) == [False]
-            body[at + i] ^= 0x41
-        assert second.is_cached(["h3"]) == [True]  # intact again: a hit
+        with first.processing({}):  # the request's scope: second's calls below run in it too
+            first.get_and_update_item((image_item(3), updates), "h3")
+            record = _records.write(updates, _fingerprint(first))
+            entry = first.store._index.by_key["h3"]
+            body = first.store._writer_ring.payload(entry.chunk)[first.store._header_bytes:]
+            assert record is not None
+            at = bytes(body[:4096]).index(record)
+            for i in range(len(record)):
+                body[at + i] ^= 0x41
+                assert second.is_cached(["h3"]) == [False]
+                body[at + i] ^= 0x41
+            assert second.is_cached(["h3"]) == [True]  # intact again: a hit
     finally:
-        first.processed(token, 0)
         second.release_sender_touches()
 
 
 def _fingerprint(sender: ShmstoreSenderCache) -> bytes:
-    from shmstore.vllm._sender import _FINGERPRINT
+    """The fingerprint of the request scope open now (inside `processing`)."""
+    from shmstore.vllm import _scope
 
-    fingerprint = _FINGERPRINT.get()
-    assert fingerprint is not None
-    return fingerprint
+    scope = _scope.current()
+    assert scope is not None and scope.fingerprint is not None
+    return scope.fingerprint
 
 
 def test_another_api_servers_item_is_a_hit_without_the_processor(node: Any) -> None:
     (first, second), receivers = node
     updates = families()["llava-next"]
-    tokens = [s.processing({"size": 336}) for s in (first, second)]
-    try:
+    with first.processing({"size": 336}), second.processing({"size": 336}):
         out, kept = first.get_and_update_item((image_item(1), updates), "h1")  # processed
         assert kept is updates
         assert second.is_cached(["h1", "nope"]) == [True, False]  # no updates there before
@@ -196,40 +195,31 @@ def test_another_api_servers_item_is_a_hit_without_the_processor(node: Any) -> N
             for receiver in receivers:
                 assert same_item(read(receiver, f"r{n}", item, "h1"), image_item(1))
         assert first.store.unread(handout_from_item(out).handle) == (0, 0)
-    finally:
-        for s, token in reversed(list(zip((first, second), tokens, strict=True))):
-            s.processed(token, 0)  # contexts are left in reverse order
 
 
 def test_a_record_for_other_kwargs_or_forged_or_missing_is_refused_and_processed(
         node: Any) -> None:
     (first, second), receivers = node
-    token = first.processing({"size": 336})
-    try:
+    with first.processing({"size": 336}):
         first.get_and_update_item((image_item(2), families()["llava"]), "h2")
         first.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")  # no record
         value = item_to_value(image_item(5))
         value[RECORD_FIELD] = msgpack.packb([1, _fingerprint(first), [
             ["image", 0, "replace", [0, [1 << 31, 1]], [1, 1], None]]])  # a forged id
         first.store.give_back(first.store.put("h5", value))
-    finally:
-        first.processed(token, 0)
-    token = second.processing({"size": 672})  # other kwargs, another fingerprint
-    try:
+    with second.processing({"size": 672}):  # other kwargs, another fingerprint
         handle = first.store.handle_of("h2")
         assert second.is_cached(["h2"]) == [False]
         assert second.store.unread(handle) == (1, 1)  # the peek's hand-out went back
-    finally:
-        second.processed(token, 0)
-    token = second.processing({"size": 336})
     try:
-        assert second.is_cached(["h4", "h5", "h2"]) == [False, False, True]
-        assert second.refused == {"missing": 1, "version": 0, "fingerprint": 1, "damaged": 1}
-        assert second.skipped["processor"] == 1
-        out, _ = second.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")
-        assert second.items["shared"] == 1  # processed here, the store's copy handed out
+        with second.processing({"size": 336}):
+            assert second.is_cached(["h4", "h5", "h2"]) == [False, False, True]
+            assert second.refused == {"missing": 1, "version": 0, "fingerprint": 1,
+                                      "damaged": 1}
+            assert second.skipped["processor"] == 1
+            out, _ = second.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")
+            assert second.items["shared"] == 1  # processed here, the store's copy handed out
     finally:
-        second.processed(token, 0)
         second.release_sender_touches()
 
 
@@ -240,11 +230,8 @@ def test_without_a_processing_context_nothing_is_written_or_read(node: Any) -> N
     entry = first.store._index.by_key["h6"]
     body = bytes(first.store._writer_ring.payload(entry.chunk)[:4096])
     assert RECORD_FIELD.encode() not in body
-    token = second.processing({})
-    try:
+    with second.processing({}):
         assert second.is_cached(["h6"]) == [False] and second.refused["missing"] == 1
-    finally:
-        second.processed(token, 0)
 
 
 def test_records_are_small() -> None:
