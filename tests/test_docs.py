@@ -34,13 +34,13 @@ import yaml
 from markdown_it import MarkdownIt
 
 from shmstore.cli._commands import build_parser
+from tests import _shm as _shm_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
          *sorted((ROOT / "docs").rglob("*.md"))]
 TITLE = re.compile(r'title="([^"]+)"')
 PRINTS = re.compile(r"^# prints: (.+)$", re.MULTILINE)
-SHM = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def test_every_block_has_a_language_this_test_knows() -> None:
 
 
 def _shm() -> set[str]:
-    return set(os.listdir(SHM))
+    return _shm_entries.entries()
 
 
 def _run_python(path: Path, cwd: Path) -> None:
@@ -99,8 +99,8 @@ def _run_python(path: Path, cwd: Path) -> None:
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout}\n{proc.stderr}"
     for said in PRINTS.findall(path.read_text()):  # what the block says it prints, it prints
         assert said.strip() in proc.stdout, f"{path.name} should print {said!r}:\n{proc.stdout}"
-    left = _shm() - before
-    assert not left, f"{path.name} left {sorted(left)} in /dev/shm"
+    left = _shm_entries.left_since(before)
+    assert not left, f"{path.name} left {left} in /dev/shm"
 
 
 @pytest.mark.slow
@@ -238,4 +238,4 @@ def test_shell_block_runs_or_parses_as_printed(block: Block, tmp_path: Path) -> 
     assert commands, f"{block.id}: an sh block without a command"
     for argv in commands:
         _check_command(argv, tmp_path)
-    assert _shm() <= before
+    assert not _shm_entries.left_since(before)

@@ -15,19 +15,17 @@ from PIL import Image
 
 from shmstore.cache._caches import CACHE_KINDS
 from shmstore.cli._demo import CLIP_MEAN, CLIP_STD, CROP, n_tiles, preprocess_numpy, request_stream
+from tests import _shm
+from tests._waiting import wait_for
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def shm_entries() -> set[str]:
-    return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.mp-")}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("kind", CACHE_KINDS)
 def test_demo_end_to_end(kind: str) -> None:
-    before = shm_entries()
+    before = _shm.entries()
     out = subprocess.run(
         [sys.executable, "-m", "shmstore", "demo", "--cache", kind, "--requests", "40",
          "--images", "12", "--cache-gb", "0.03", "--no-progress"],
@@ -38,7 +36,7 @@ def test_demo_end_to_end(kind: str) -> None:
     last = out.stdout.strip().splitlines()[-1]
     other = "shmstore's shm-adaptive" if kind == "lru" else "vLLM's default, a mirrored LRU"
     assert last.startswith(f"result: every tensor verified; {kind}: ") and other in last, last
-    assert shm_entries() <= before
+    assert not _shm.left_since(before)
 
 
 @pytest.mark.slow
@@ -76,20 +74,19 @@ def test_without_its_extra_the_demo_gives_one_line(monkeypatch: pytest.MonkeyPat
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_demo_cleans_up_when_interrupted(sig: signal.Signals) -> None:
-    before = shm_entries()
+    before = _shm.entries()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shmstore", "demo", "--requests", "100000", "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any("shmstore-demo" in e for e in shm_entries()):
+    while time.monotonic() < deadline and not _shm.made_by(proc.pid, before):
         time.sleep(0.1)
     time.sleep(2)  # workers attached, requests flowing
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "cleaned up" in err
-    time.sleep(0.5)
-    assert shm_entries() <= before
+    wait_for(lambda: not _shm.left_since(before), 30, "the demo's segments to be gone")
 
 
 def test_preprocess_matches_clip_normalisation() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import os
 import re
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 from shmstore.cache._hitsim import SIM_KINDS, SimStats, real_hits, replay, replay_split, route_index
 from shmstore.cli._hitrate import TraceError, parse_budgets, read_trace, recommend
 from shmstore.cli._traces import ORACLE_GENERAL
+from tests import _shm
 
 TRACE = [(f"img-{k}", 1000 + 37 * (k % 11)) for k in
          (np.random.default_rng(3).zipf(1.3, 3000) % 400)]
@@ -148,15 +148,14 @@ def test_hitrate_stopped_leaves_nothing_in_dev_shm(tmp_path: Path, sig: signal.S
     """SIGTERM exits 143; Ctrl-C (SIGINT) ends with one line and 130, no traceback."""
     path = tmp_path / "t.csv"
     path.write_text("".join(f"{i},k{i % 300},{200_000 + i % 7}\n" for i in range(20_000)))
-    before = set(os.listdir("/dev/shm"))
+    before = _shm.entries()
     proc = subprocess.Popen([sys.executable, "-m", "shmstore", "hitrate", "--no-progress",
                              str(path), "--out", str(tmp_path), "--verify", "20000",
                              "--budgets", "5%,10%,25%,50%"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:  # wait until the verify step has stores in shared memory, then stop it
         end = time.monotonic() + 60
-        while time.monotonic() < end and not any(
-                n.startswith("shmstore-") for n in set(os.listdir("/dev/shm")) - before):
+        while time.monotonic() < end and not _shm.made_by(proc.pid, before):
             time.sleep(0.01)
         assert time.monotonic() < end, "the verify step never started"
         proc.send_signal(sig)
@@ -168,7 +167,7 @@ def test_hitrate_stopped_leaves_nothing_in_dev_shm(tmp_path: Path, sig: signal.S
     finally:
         proc.kill()
         proc.wait()
-    assert not [n for n in set(os.listdir("/dev/shm")) - before if "shmstore" in n]
+    assert not _shm.left_since(before)
     assert not (tmp_path / "hitrate.csv").exists()
 
 

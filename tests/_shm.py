@@ -1,0 +1,48 @@
+"""What a test left in /dev/shm, on a machine other runs share: entries that appeared since a
+snapshot and that no live process owns. A segment whose writer lives (another suite, another
+CI job) is that writer's, not this test's leftover; a queue's semaphore goes with its segment."""
+
+from __future__ import annotations
+
+import os
+
+from shmstore._proc import pid_alive, proc_stat
+from shmstore.shm._header import peek_header
+
+SHM = "/dev/shm"
+
+
+def entries() -> set[str]:
+    """Everything in /dev/shm now, less multiprocessing's own semaphores."""
+    return {e for e in os.listdir(SHM) if not e.startswith("sem.mp-")}
+
+
+def _writer(entry: str) -> int | None:
+    """The writer pid of the shmstore segment `entry` names (a semaphore: its queue's)."""
+    name = entry
+    if entry.startswith("sem."):
+        name = entry[4:].rpartition(".")[0]
+    header = peek_header(name)
+    return None if header is None else header[2]
+
+
+def left_since(before: set[str]) -> list[str]:
+    """Entries made since `before` that no live writer holds: what a test left behind."""
+    left = []
+    for entry in sorted(entries() - before):
+        writer = _writer(entry)
+        if writer is not None and writer != os.getpid() and pid_alive(writer):
+            continue  # a live process's, elsewhere on this machine
+        left.append(entry)
+    return left
+
+
+def made_by(root: int, before: set[str]) -> list[str]:
+    """shmstore segments made since `before` whose writer is `root` or a child of it."""
+    found = []
+    for entry in entries() - before:
+        writer = _writer(entry)
+        if writer is not None and not entry.startswith("sem.") and (
+                writer == root or (proc_stat(writer) or ("", 0))[1] == root):
+            found.append(entry)
+    return found
