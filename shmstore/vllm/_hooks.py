@@ -16,7 +16,15 @@ from ._images import pending, realize, unrealized
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
 from ._sender import SENDERS, ShmstoreSenderCache
-from ._vllm import install_hooks
+from ._vllm import (
+    feature_data,
+    install_hooks,
+    new_requests,
+    processor_inputs,
+    receiver_cache,
+    request_id_of,
+    resolve_new_request,
+)
 
 __all__ = ["install_request_hooks", "wrappers"]
 
@@ -49,8 +57,7 @@ _RENDERED: contextvars.ContextVar[_Rendered | None] = contextvars.ContextVar(
 
 
 def _feature_numbers(request: Any) -> list[int]:
-    return [n for f in (getattr(request, "mm_features", None) or [])
-            if (n := handout_number(getattr(f, "data", None))) is not None]
+    return [n for data in feature_data(request) if (n := handout_number(data)) is not None]
 
 
 def _tell(what: str, call: Callable[[], object]) -> None:
@@ -84,8 +91,9 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
             numbers = _feature_numbers(request)
             if numbers:
                 for ledger in _ledgers():
-                    _tell(f"request {request.request_id} was added",
-                          functools.partial(ledger.request_added, request.request_id, numbers))
+                    rid = request_id_of(request)
+                    _tell(f"request {rid} was added",
+                          functools.partial(ledger.request_added, rid, numbers))
             return result
         return wrapper
 
@@ -93,10 +101,10 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
         @functools.wraps(original)
         def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, req_state, *args, **kwargs)
+            rid = request_id_of(req_state)
             for ledger in _ledgers():
-                _tell(f"request {req_state.request_id} finished",
-                      functools.partial(ledger.request_ended, req_state.request_id,
-                                        aborted=False))
+                _tell(f"request {rid} finished",
+                      functools.partial(ledger.request_ended, rid, aborted=False))
             return result
         return wrapper
 
@@ -128,12 +136,11 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
     def apply_mm_cache(original: Any) -> Any:
         @functools.wraps(original)
         def wrapper(self: Any, scheduler_output: Any) -> Any:
-            cache = getattr(self, "mm_receiver_cache", None)
+            cache = receiver_cache(self)
             if not isinstance(cache, ShmstoreReceiverCache):
                 return original(self, scheduler_output)
-            for req_data in scheduler_output.scheduled_new_reqs:
-                req_data.mm_features = cache.features_of_request(req_data.req_id,
-                                                                 req_data.mm_features)
+            for req_data in new_requests(scheduler_output):
+                resolve_new_request(req_data, cache.features_of_request)
             return None
         return wrapper
 
@@ -169,22 +176,22 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
         @functools.wraps(original)
         def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             engine = original(self, request, *args, **kwargs)
+            rid = request_id_of(request)
             for sender in list(SENDERS):
-                _tell(f"request {request.request_id} went to engine {engine!r}",
-                      functools.partial(sender.routed, request.request_id,
-                                        int.from_bytes(engine, "little")))
+                _tell(f"request {rid} went to engine {engine!r}",
+                      functools.partial(sender.routed, rid, int.from_bytes(engine, "little")))
             return engine
         return wrapper
 
     def cached_apply(original: Any) -> Any:
         @functools.wraps(original)
         def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            cache = getattr(inputs, "cache", None)
+            cache, mm_kwargs, items = processor_inputs(inputs)
             if not isinstance(cache, ShmstoreSenderCache):
                 return original(self, inputs, *args, **kwargs)
-            with cache.processing(getattr(inputs, "hf_processor_mm_kwargs", None)) as scope:
+            with cache.processing(mm_kwargs) as scope:
                 result = original(self, inputs, *args, **kwargs)
-                scope.undecoded = unrealized(getattr(inputs, "mm_data_items", None))
+                scope.undecoded = unrealized(items)
                 return result
         return wrapper
 
@@ -207,7 +214,7 @@ def wrappers() -> dict[str, Callable[[Any], Any]]:
     def uncached_apply(original: Any) -> Any:
         @functools.wraps(original)
         def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            realize(getattr(inputs, "mm_data_items", None))
+            realize(processor_inputs(inputs)[2])
             return original(self, inputs, *args, **kwargs)
         return wrapper
 

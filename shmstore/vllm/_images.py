@@ -22,7 +22,13 @@ import io
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._vllm import MediaWithBytes, install_image_loader, max_image_pixels, open_image
+from ._vllm import (
+    MediaWithBytes,
+    install_image_loader,
+    items_data,
+    max_image_pixels,
+    open_image,
+)
 
 __all__ = ["LazyImage", "lazy_loader", "install", "realize", "unrealized", "pending",
            "realize_misses"]
@@ -89,7 +95,7 @@ def _needs_no_conversion(image: Any, mode: str | None) -> bool:
 def _lazy_images(items: Any) -> Iterable[LazyImage]:
     """The LazyImages among vLLM's MultiModalDataItems (modality -> items with .data)."""
     for modality_items in (items or {}).values():
-        data = getattr(modality_items, "data", None)
+        data = items_data(modality_items)
         if isinstance(data, list):
             yield from (d for d in data if isinstance(d, LazyImage))
 
@@ -99,7 +105,7 @@ def pending(items: Any, hashes: Any) -> dict[str, list[LazyImage]]:
     modality) are cached: their lazy images not decoded yet, by hash (for realize_misses)."""
     found: dict[str, list[LazyImage]] = {}
     for modality, modality_hashes in (hashes or {}).items():
-        data = getattr((items or {}).get(modality), "data", None)
+        data = items_data((items or {}).get(modality))
         if isinstance(data, list) and len(data) == len(modality_hashes):
             for mm_hash, item in zip(modality_hashes, data, strict=True):
                 if isinstance(item, LazyImage) and not item.realized:

@@ -18,7 +18,7 @@ from ..serving._receiver import Receiver, Unreadable
 from ..store._object_store import ObjectStore, StoreReader
 from ._deployment import Deployment, local_rank
 from ._items import handout_from_item, value_to_item
-from ._vllm import BaseMultiModalReceiverCache, MultiModalCacheMissError
+from ._vllm import BaseMultiModalReceiverCache, MultiModalCacheMissError, features_with_data
 
 __all__ = ["ShmstoreReceiverCache"]
 
@@ -69,8 +69,7 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     def get_and_update_features(self, mm_features: list[Any]) -> list[Any]:
         if self._core.feed is not None:
             self._core.feed.poll()  # handles that came, and a relay that ended or was replaced
-        with_data = [f for f in mm_features if f.data is not None]
-        super().get_and_update_features(with_data)
+        super().get_and_update_features(features_with_data(mm_features))
         return mm_features
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:

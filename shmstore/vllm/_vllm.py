@@ -20,6 +20,14 @@ What the plugin takes from vLLM (0.32; 0.33 is the same in these places):
     environment        VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME (the segment's name, vLLM's own)
     workers            the world group's local rank
     command line       vLLM's own `vllm` command and its `serve` parser (for `shmstore serve`)
+    object shapes      SHAPES: every attribute the plugin reads or sets on a vLLM object, read
+                       here by the accessors below (requests, scheduler output, processor
+                       inputs, data items) or by _items.py (an item's fields and elements);
+                       tests/vllm/test_vllm_door.py checks that no other module reads one and
+                       that this vLLM has each
+
+A change of vLLM's cache signatures touches this module and the cache that overrides the
+method (_sender.py or _receiver.py); a change of an item's shape, this module and _items.py.
 """
 
 from __future__ import annotations
@@ -68,7 +76,9 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
            "open_image", "install_image_loader", "max_image_pixels", "run_cli",
-           "serve_parser"]
+           "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "request_id_of",
+           "feature_data", "features_with_data", "new_requests", "resolve_new_request", "receiver_cache",
+           "processor_inputs", "items_data"]
 
 log = logging.getLogger(LOG_NAME)
 
@@ -98,6 +108,90 @@ HOOK_POINTS = (
      "_apply_hf_processor", "uncached_apply"),
 )
 _hooked: dict[str, bool] = {}  # hook name -> its method was found and wrapped
+
+# (module, class) -> the attributes the plugin reads or sets on its objects. ITEM_SHAPES are
+# read by _items.py (an item's fields), the others only by the accessors below.
+SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("vllm.v1.engine", "EngineCoreRequest"): ("request_id", "mm_features"),
+    ("vllm.multimodal.inputs", "MultiModalFeatureSpec"): ("data",),
+    ("vllm.v1.engine.output_processor", "RequestState"): ("request_id",),
+    ("vllm.v1.core.sched.output", "SchedulerOutput"): ("scheduled_new_reqs",),
+    ("vllm.v1.core.sched.output", "NewRequestData"): ("req_id", "mm_features"),
+    ("vllm.v1.worker.worker_base", "WorkerWrapperBase"): ("mm_receiver_cache",),
+    ("vllm.multimodal.processing.inputs", "ProcessorInputs"): (
+        "cache", "hf_processor_mm_kwargs", "mm_data_items"),
+    ("vllm.multimodal.parse", "ModalityDataItems"): ("data",),
+}
+ITEM_SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("vllm.multimodal.inputs", "MultiModalFieldElem"): ("data", "field"),
+    ("vllm.multimodal.inputs", "MultiModalFlatField"): ("keep_on_cpu", "slices", "dim"),
+    ("vllm.multimodal.inputs", "MultiModalSharedField"): ("keep_on_cpu", "batch_size"),
+    ("vllm.multimodal.inputs", "MultiModalBatchedField"): ("keep_on_cpu",),
+}
+
+
+def missing_shapes() -> list[str]:
+    """The attributes of SHAPES and ITEM_SHAPES this vLLM's classes lack (a dataclass's or
+    msgspec struct's fields, a class attribute, or `self.NAME` set in the class's code)."""
+    import inspect
+    import re
+
+    missing = []
+    for (module, cls_name), attrs in {**SHAPES, **ITEM_SHAPES}.items():
+        cls = getattr(importlib.import_module(module), cls_name)
+        known = set(getattr(cls, "__struct_fields__", ()))
+        if dataclasses.is_dataclass(cls):
+            known |= {f.name for f in dataclasses.fields(cls)}
+        for klass in cls.__mro__:
+            known |= set(vars(klass)) | set(getattr(klass, "__annotations__", {}))
+            try:
+                source = inspect.getsource(klass)
+            except (OSError, TypeError):
+                continue
+            known |= {a for a in attrs if re.search(rf"self\.{a}\s*(:[^=\n]*)?=", source)}
+        missing += [f"{cls_name}.{a}" for a in attrs if a not in known]
+    return missing
+
+
+def request_id_of(request: Any) -> str:
+    """An EngineCoreRequest's or a RequestState's id."""
+    return str(request.request_id)
+
+
+def feature_data(request: Any) -> list[Any]:
+    """The data of an EngineCoreRequest's multimodal features (an item, or None)."""
+    return [getattr(f, "data", None) for f in (getattr(request, "mm_features", None) or [])]
+
+
+def features_with_data(mm_features: list[Any]) -> list[Any]:
+    """The MultiModalFeatureSpecs among `mm_features` that carry their data."""
+    return [f for f in mm_features if f.data is not None]
+
+
+def new_requests(scheduler_output: Any) -> list[Any]:
+    """The requests a SchedulerOutput schedules for the first time."""
+    return list(scheduler_output.scheduled_new_reqs)
+
+
+def resolve_new_request(req_data: Any, resolve: Callable[[str, list[Any]], list[Any]]) -> None:
+    """Replace a NewRequestData's features by `resolve(request id, features)`."""
+    req_data.mm_features = resolve(req_data.req_id, req_data.mm_features)
+
+
+def receiver_cache(worker: Any) -> Any:
+    """A WorkerWrapperBase's multimodal receiver cache (None if it has none)."""
+    return getattr(worker, "mm_receiver_cache", None)
+
+
+def processor_inputs(inputs: Any) -> tuple[Any, Any, Any]:
+    """A ProcessorInputs' (cache, HF processor kwargs, data items), None where missing."""
+    return (getattr(inputs, "cache", None), getattr(inputs, "hf_processor_mm_kwargs", None),
+            getattr(inputs, "mm_data_items", None))
+
+
+def items_data(modality_items: Any) -> Any:
+    """The data of one modality's ModalityDataItems (a list of media), None if there are none."""
+    return getattr(modality_items, "data", None)
 # the hooks without which images stay eager (a lazy image must be decoded by vLLM's own code)
 IMAGE_HOOKS = ("missing_items", "uncached_apply")
 

@@ -1,6 +1,7 @@
-"""The vLLM wing has one door: only vllm/_vllm.py imports or names the vllm package, only
-vllm/_deployment.py reads vLLM's configuration and the environment, every environment variable
-is named in vllm/_env.py, and no module asks which kind of writer it holds."""
+"""The vLLM wing has one door: only vllm/_vllm.py imports or names the vllm package or reads
+attributes of vLLM's objects (an item's fields: also vllm/_items.py), only vllm/_deployment.py
+reads vLLM's configuration and the environment, every environment variable is named in
+vllm/_env.py, and no module asks which kind of writer it holds."""
 from __future__ import annotations
 
 import ast
@@ -121,3 +122,60 @@ def test_a_bad_environment_value_is_refused_when_the_deployment_is_read(monkeypa
     monkeypatch.setenv(SETTLE_ENV, "soon")
     with pytest.raises(InvalidArgument, match=SETTLE_ENV):
         Deployment.read(config("x"))
+
+
+def _declared_shapes() -> tuple[set[str], set[str]]:
+    """The attribute names of _vllm.py's SHAPES and ITEM_SHAPES, read without importing vLLM."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(tree(WING / "_vllm.py")):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                node.target.id in ("SHAPES", "ITEM_SHAPES") and node.value is not None:
+            found[node.target.id] = {a for attrs in ast.literal_eval(node.value).values()
+                                     for a in attrs}
+    return found["SHAPES"], found["ITEM_SHAPES"]
+
+
+def reads_attributes(path: Path, names: set[str]) -> list[str]:
+    """Where `path` reads or sets one of `names` as an attribute (x.name, getattr(x, "name"))."""
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+                "getattr", "setattr", "hasattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            found.append(f"line {node.lineno}: {node.func.id} {node.args[1].value!r}")  # type: ignore[attr-defined]
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_only_the_door_reads_vllms_objects_and_only_items_their_fields(path: Path) -> None:
+    """Every attribute the plugin reads on a vLLM object is listed in the door (SHAPES) and
+    read there; an item's fields (ITEM_SHAPES) are read there or in _items.py only."""
+    shapes, item_shapes = _declared_shapes()
+    if path.name == "_vllm.py":
+        return
+    allowed = item_shapes if path.name == "_items.py" else set()
+    found = reads_attributes(path, (shapes | item_shapes) - allowed)
+    assert not found, (f"{path.name} reads attributes of vLLM's objects: {found}; read them "
+                       "through an accessor of _vllm.py and list them in its SHAPES")
+
+
+def test_this_vllm_has_every_attribute_the_door_lists(monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from shmstore.vllm import _vllm
+
+    assert _vllm.missing_shapes() == []
+    assert len(_vllm.SHAPES) >= 8 and len(_vllm.ITEM_SHAPES) == 4
+    monkeypatch.setitem(_vllm.SHAPES, ("vllm.v1.core.sched.output", "NewRequestData"),
+                        ("req_id", "renamed_in_a_later_vllm"))
+    assert _vllm.missing_shapes() == ["NewRequestData.renamed_in_a_later_vllm"]
+
+
+def test_the_shape_checks_see_what_they_look_for(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(req, inputs):\n    return req.req_id, getattr(inputs, 'cache', None)\n")
+    assert [f.split(": ")[1] for f in reads_attributes(bad, {"req_id", "cache"})] == [
+        ".req_id", "getattr 'cache'"]
+    shapes, items = _declared_shapes()
+    assert {"request_id", "scheduled_new_reqs", "mm_data_items"} <= shapes and "slices" in items
