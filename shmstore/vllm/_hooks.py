@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 import weakref
@@ -80,147 +81,163 @@ def install_request_hooks() -> None:
                   f"hand-outs it would settle are settled by the lease ({LEASE_ENV})")
 
 
+# -- the hooks, one per place of _vllm.HOOK_POINTS: original method in, wrapped one out --
+
+def add_request(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, *args, **kwargs)
+        numbers = _feature_numbers(request)
+        if numbers:
+            for ledger in _ledgers():
+                rid = request_id_of(request)
+                _tell(f"request {rid} was added",
+                      functools.partial(ledger.request_added, rid, numbers))
+        return result
+    return wrapper
+
+
+def finish_request(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, req_state, *args, **kwargs)
+        rid = request_id_of(req_state)
+        for ledger in _ledgers():
+            _tell(f"request {rid} finished",
+                  functools.partial(ledger.request_ended, rid, aborted=False))
+        return result
+    return wrapper
+
+
+def abort_requests(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        aborted = original(self, *args, **kwargs)
+        for ledger in _ledgers():
+            for request_id in aborted or ():
+                _tell(f"request {request_id} was aborted",
+                      functools.partial(ledger.request_ended, request_id, aborted=True))
+        return aborted
+    return wrapper
+
+
+def process_inputs(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, request_id: Any, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, request_id, prompt, *args, **kwargs)
+        except BaseException:
+            ledgers = _ledgers()
+            numbers = numbers_in(prompt, handout_number) if ledgers else []
+            for ledger in ledgers:
+                _tell(f"request {request_id} was refused",
+                      functools.partial(ledger.refused, numbers))
+            raise
+    return wrapper
+
+
+def apply_mm_cache(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, scheduler_output: Any) -> Any:
+        cache = receiver_cache(self)
+        if not isinstance(cache, ShmstoreReceiverCache):
+            return original(self, scheduler_output)
+        for req_data in new_requests(scheduler_output):
+            resolve_new_request(req_data, cache.features_of_request)
+        return None
+    return wrapper
+
+
+def render_async(original: Any) -> Any:
+    @functools.wraps(original)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # the list lives as long as the server's task for this request (its context):
+        # what it lists and no request claimed by then was never sent
+        rendered = _Rendered()
+        weakref.finalize(rendered, _render_ended, rendered.numbers)
+        _RENDERED.set(rendered)
+        try:
+            return await original(*args, **kwargs)
+        except BaseException:  # refused while rendering: never sent
+            for ledger in _ledgers():
+                _tell("a request was refused while rendering",
+                      functools.partial(ledger.refused, list(rendered.numbers)))
+            rendered.numbers.clear()
+            raise
+    return wrapper
+
+
+def process_tokens_async(original: Any) -> Any:
+    @functools.wraps(original)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        engine_input = await original(*args, **kwargs)
+        rendered = _RENDERED.get()
+        if rendered is not None and SENDERS:
+            rendered.numbers.extend(numbers_in(engine_input, handout_number))
+        return engine_input
+    return wrapper
+
+
+def engine_for_request(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = original(self, request, *args, **kwargs)
+        rid = request_id_of(request)
+        for sender in list(SENDERS):
+            _tell(f"request {rid} went to engine {engine!r}",
+                  functools.partial(sender.routed, rid, int.from_bytes(engine, "little")))
+        return engine
+    return wrapper
+
+
+def cached_apply(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        cache, mm_kwargs, items = processor_inputs(inputs)
+        if not isinstance(cache, ShmstoreSenderCache):
+            return original(self, inputs, *args, **kwargs)
+        with cache.processing(mm_kwargs) as scope:
+            result = original(self, inputs, *args, **kwargs)
+            scope.undecoded = unrealized(items)
+            return result
+    return wrapper
+
+
+def missing_items(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # the sender's is_cached decodes the misses' lazy images (vLLM's decode, its own
+        # errors) before this step reads them for the processor
+        call = signature.bind(self, *args, **kwargs).arguments
+        with _scope.within() as scope:
+            scope.pending = pending(call.get("mm_data_items"), call.get("mm_hashes"))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                scope.pending = {}
+    return wrapper
+
+
+def uncached_apply(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        realize(processor_inputs(inputs)[2])
+        return original(self, inputs, *args, **kwargs)
+    return wrapper
+
+
+HOOKS: dict[str, Callable[[Any], Any]] = {
+    "add_request": add_request, "engine_for_request": engine_for_request,
+    "render_async": render_async, "process_tokens_async": process_tokens_async,
+    "finish_request": finish_request, "abort_requests": abort_requests,
+    "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache,
+    "cached_apply": cached_apply, "missing_items": missing_items,
+    "uncached_apply": uncached_apply,
+}
+
+
 def wrappers() -> dict[str, Callable[[Any], Any]]:
     """The hook for each place of _vllm.HOOK_POINTS: original method in, wrapped one out."""
-    import functools
-
-    def add_request(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, request, *args, **kwargs)
-            numbers = _feature_numbers(request)
-            if numbers:
-                for ledger in _ledgers():
-                    rid = request_id_of(request)
-                    _tell(f"request {rid} was added",
-                          functools.partial(ledger.request_added, rid, numbers))
-            return result
-        return wrapper
-
-    def finish_request(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, req_state, *args, **kwargs)
-            rid = request_id_of(req_state)
-            for ledger in _ledgers():
-                _tell(f"request {rid} finished",
-                      functools.partial(ledger.request_ended, rid, aborted=False))
-            return result
-        return wrapper
-
-    def abort_requests(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            aborted = original(self, *args, **kwargs)
-            for ledger in _ledgers():
-                for request_id in aborted or ():
-                    _tell(f"request {request_id} was aborted",
-                          functools.partial(ledger.request_ended, request_id, aborted=True))
-            return aborted
-        return wrapper
-
-    def process_inputs(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, request_id: Any, prompt: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(self, request_id, prompt, *args, **kwargs)
-            except BaseException:
-                ledgers = _ledgers()
-                numbers = numbers_in(prompt, handout_number) if ledgers else []
-                for ledger in ledgers:
-                    _tell(f"request {request_id} was refused",
-                          functools.partial(ledger.refused, numbers))
-                raise
-        return wrapper
-
-    def apply_mm_cache(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, scheduler_output: Any) -> Any:
-            cache = receiver_cache(self)
-            if not isinstance(cache, ShmstoreReceiverCache):
-                return original(self, scheduler_output)
-            for req_data in new_requests(scheduler_output):
-                resolve_new_request(req_data, cache.features_of_request)
-            return None
-        return wrapper
-
-    def render_async(original: Any) -> Any:
-        @functools.wraps(original)
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            # the list lives as long as the server's task for this request (its context):
-            # what it lists and no request claimed by then was never sent
-            rendered = _Rendered()
-            weakref.finalize(rendered, _render_ended, rendered.numbers)
-            _RENDERED.set(rendered)
-            try:
-                return await original(*args, **kwargs)
-            except BaseException:  # refused while rendering: never sent
-                for ledger in _ledgers():
-                    _tell("a request was refused while rendering",
-                          functools.partial(ledger.refused, list(rendered.numbers)))
-                rendered.numbers.clear()
-                raise
-        return wrapper
-
-    def process_tokens_async(original: Any) -> Any:
-        @functools.wraps(original)
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            engine_input = await original(*args, **kwargs)
-            rendered = _RENDERED.get()
-            if rendered is not None and SENDERS:
-                rendered.numbers.extend(numbers_in(engine_input, handout_number))
-            return engine_input
-        return wrapper
-
-    def engine_for_request(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            engine = original(self, request, *args, **kwargs)
-            rid = request_id_of(request)
-            for sender in list(SENDERS):
-                _tell(f"request {rid} went to engine {engine!r}",
-                      functools.partial(sender.routed, rid, int.from_bytes(engine, "little")))
-            return engine
-        return wrapper
-
-    def cached_apply(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            cache, mm_kwargs, items = processor_inputs(inputs)
-            if not isinstance(cache, ShmstoreSenderCache):
-                return original(self, inputs, *args, **kwargs)
-            with cache.processing(mm_kwargs) as scope:
-                result = original(self, inputs, *args, **kwargs)
-                scope.undecoded = unrealized(items)
-                return result
-        return wrapper
-
-    def missing_items(original: Any) -> Any:
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # the sender's is_cached decodes the misses' lazy images (vLLM's decode, its own
-            # errors) before this step reads them for the processor
-            call = signature.bind(self, *args, **kwargs).arguments
-            with _scope.within() as scope:
-                scope.pending = pending(call.get("mm_data_items"), call.get("mm_hashes"))
-                try:
-                    return original(self, *args, **kwargs)
-                finally:
-                    scope.pending = {}
-        return wrapper
-
-    def uncached_apply(original: Any) -> Any:
-        @functools.wraps(original)
-        def wrapper(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            realize(processor_inputs(inputs)[2])
-            return original(self, inputs, *args, **kwargs)
-        return wrapper
-
-    return {"add_request": add_request, "engine_for_request": engine_for_request,
-            "render_async": render_async, "process_tokens_async": process_tokens_async,
-            "finish_request": finish_request, "abort_requests": abort_requests,
-            "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache,
-            "cached_apply": cached_apply, "missing_items": missing_items,
-            "uncached_apply": uncached_apply}
+    return dict(HOOKS)
