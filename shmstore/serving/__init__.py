@@ -6,6 +6,8 @@ items into these.
     _receiver.py   Receiver: a worker's reads, each hand-out once per request, checked first
     _requests.py   RequestLedger: every hand-out settled with its request
     _nodes.py      HeadPublisher (the head's relay Publisher) and NodeFeed (a worker on node k)
+    _deployment.py Shape (a deployment: store, API servers, engines, nodes, timings) and
+                   open_writer, which picks this process's writer by shape
     _log.py        the core's logger, sent through the engine's own (log_to)
 
 May import: errors, handle, _proc, shm, serde, store, queue, relay.

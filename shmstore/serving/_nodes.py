@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     Closed,
@@ -44,6 +44,9 @@ from ..handle import Handle, HandOut, key_digest
 from ..queue._channel import Channel, ChannelReader, ChannelWriter
 from ._log import log
 
+if TYPE_CHECKING:
+    from ._deployment import Shape
+
 __all__ = ["HeadPublisher", "NodeFeed", "FEED_ERRORS"]
 
 PUBLISH_TIMEOUT_S = 30.0  # a hand-out waits this long for queue space (a slow node)
@@ -53,10 +56,10 @@ MAX_WAITING = 4096  # handles a node-k worker keeps for items it has not been gi
 class HeadPublisher:
     """The head node's side: a Channel whose store the sender cache uses, and its Publisher."""
 
-    def __init__(self, make_channel: Any, d: Any) -> None:
-        """`d`: the deployment of a TP group across nodes (vllm/_deployment.py Deployment):
-        its name, nodes, n_readers (local), and the Publisher's address (publish, which the
-        adapter checked is set), keys_file, allow and insecure."""
+    def __init__(self, make_channel: Any, d: Shape) -> None:
+        """`d`: the Shape (serving/_deployment.py) of a TP group across nodes: its name,
+        nodes, n_readers (local), and the Publisher's address (publish, which the adapter
+        checked is set), keys_file, allow and insecure."""
         from ..relay import CurveKeys, Publisher, PublisherSecurity
 
         n_remote_nodes, n_local, name = d.nodes - 1, d.n_readers, d.name

@@ -5,8 +5,8 @@ ledger, TP across nodes): vLLM's calls, configuration and item shapes are read h
     plugin.py      the `vllm.general_plugins` entry point (imports nothing heavy)
     _env.py        the plugin's environment variable names and its logger's
     _vllm.py       the one door to vLLM: everything the plugin uses of the vllm package
-    _deployment.py Deployment, read once from vLLM's configuration and the environment,
-                   and open_writer, which picks this process's writer by shape
+    _deployment.py Deployment, read once from vLLM's configuration and the environment
+                   (serving/_deployment.py's Shape, and what only vLLM needs)
     _install.py    install(): binds vLLM's cache factories to the plugin's caches
     _sender.py     the sender cache, in each API process (on serving/_sender.py's Sender)
     _receiver.py   the receiver cache, in each worker

@@ -1,36 +1,20 @@
 """Where the plugin's store is, who writes it and who reads it: read once from vLLM's
-configuration and the environment into a frozen Deployment (the only code that reads either),
-and the one function that picks the writer for this process's shape.
-
-Shapes, as `Deployment.shape` names them:
-
-    local    one API server (or API server 0 of several): this process creates the store
-             and writes it; with several API servers it also serves the writer to the
-             others (WriterHost)
-    remote   API server 1..N-1: writes the store through API server 0's WriterHost
-    relay    a tensor-parallel group across nodes: this process creates a Channel and its
-             relay Publisher; the other nodes' relays write their own stores
+configuration and the environment into a frozen Deployment (the only code that reads either):
+the engine-neutral Shape of serving/_deployment.py (its shapes, and open_writer, which picks
+the writer for this process's shape), and what only vLLM needs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .._proc import env_seconds, env_switch
-from ..errors import InvalidArgument
-from ..shm._segment import peek_header
-from ..store._api import WriterAPI
-from ..store._host import WriterHost
-from ..store._object_store import ObjectStore, StoreWriter
+from ..serving._deployment import Shape
 from ..store._policy import DEFAULT_POLICY
-from ..store._remote import RemoteWriter
 from ._env import (
     ALLOW_ENV,
     INSECURE_ENV,
@@ -47,7 +31,7 @@ from ._env import (
 )
 from ._vllm import buffer_name, vllm_version, world_local_rank
 
-__all__ = ["Deployment", "Writers", "open_writer", "local_rank"]
+__all__ = ["Deployment", "local_rank"]
 
 log = logging.getLogger(LOG_NAME)
 GIB = 1 << 30
@@ -58,29 +42,13 @@ DEFAULT_WAIT_S = 60.0  # node k worker: how long it waits for an item's handle f
 
 
 @dataclass(frozen=True)
-class Deployment:
-    """What the plugin needs of vLLM's configuration and the environment, read once."""
+class Deployment(Shape):
+    """What the plugin needs of vLLM's configuration and the environment, read once: the
+    Shape (name: vLLM's VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME; capacity: mm_processor_cache_gb;
+    max_object_bytes: mm_shm_cache_max_object_size_mb), and what only vLLM needs."""
 
     cache_type: str  # what the user asked for (--mm-processor-cache-type)
-    name: str  # the segment (vLLM's VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME)
-    capacity_bytes: int  # mm_processor_cache_gb
-    max_object_bytes: int  # mm_shm_cache_max_object_size_mb, at most the capacity
-    policy: str  # the store's eviction policy
-    api_servers: int
-    api_rank: int
-    engines: int  # engines on this node that share the store
-    engine: int  # this worker's engine (its DP index)
-    per_engine: int  # workers of each engine on this node (readers of one reader group)
-    nodes: int  # nodes of this TP/PP group
-    node_rank: int
     unservable: str | None  # why one store cannot serve this deployment; None if it can
-    settle_s: float
-    lease_s: float
-    wait_s: float
-    publish: str  # head of a group across nodes: where its Publisher binds ("" unset)
-    keys_file: str  # its CurveZMQ key pair ("" unset)
-    allow: tuple[str, ...]  # relays' public key files
-    insecure: bool  # plain TCP, no keys
     metrics_multiprocess: bool  # vLLM serves /metrics from prometheus_client's files
     lazy_images: bool  # a hit never decodes its image (_images.py)
     share_updates: bool  # prompt-update records beside the tensors (_records.py)
@@ -131,18 +99,6 @@ class Deployment:
             processor_identity=_processor_identity(vllm_config.model_config, mm),
             vocab_size=_vocab_size(vllm_config.model_config))
 
-    @property
-    def n_readers(self) -> int:
-        """Readers of the store on this node: every worker of every engine that shares it."""
-        return self.engines * self.per_engine
-
-    @property
-    def shape(self) -> str:
-        """local, remote or relay (the module docstring says what each is)."""
-        if self.nodes > 1:
-            return "relay"
-        return "remote" if self.api_servers > 1 and self.api_rank > 0 else "local"
-
     def keeps_shm(self) -> bool:
         """Whether the user's `shm` stays `shm` where vLLM would fall back to processor-only."""
         if self.cache_type != "shm":
@@ -151,15 +107,6 @@ class Deployment:
             log.warning("shmstore: vLLM's processor-only cache stays (%s)", self.unservable)
             return False
         return True
-
-    def first_reader(self, name: str) -> int:
-        """The first reader index of this worker's engine (its DP rank) in store `name`: the
-        engines of a node take per_engine readers each, in rank order. (A DP engine of a
-        dense model no longer knows how many engines the node has: the store's reader count
-        says.)"""
-        header = peek_header(name)
-        engines = max(1, header[1] // self.per_engine) if header is not None else 1
-        return self.engine % engines * self.per_engine
 
 
 def _processor_identity(model: Any, mm: Any) -> bytes:
@@ -200,61 +147,3 @@ def local_rank() -> int:
     (torch.distributed's, set by vLLM's launcher)."""
     rank = world_local_rank()
     return int(os.environ.get("LOCAL_RANK", "0")) if rank is None else rank
-
-
-@dataclass
-class Writers:
-    """What open_writer made for this process: the writer every call goes to, and what
-    serves it to others (a WriterHost, a relay head), closed in order by close()."""
-
-    store: WriterAPI
-    local: StoreWriter | None  # the store's own writer, if this process created it
-    host: WriterHost | None = None
-    head: Any = None  # _nodes.HeadPublisher, for a TP group across nodes
-
-    @property
-    def role(self) -> str:
-        return "writes it" if self.local is not None else "writes it through API server 0"
-
-    def close(self) -> None:
-        if self.head is not None:
-            self.head.close()
-        if self.host is not None:
-            self.host.close()
-        self.store.close()
-
-
-def open_writer(d: Deployment, lock: threading.RLock,
-                make_head: Callable[[Callable[..., Any]], Any]) -> Writers:
-    """The writer for this process's shape: a new store (local), API server 0's through its
-    host (remote), or a relay head's channel store (relay, made by `make_head(make)`). `lock`
-    is held around every call of the writer (the WriterHost takes it for its clients)."""
-
-    def make(create: Callable[..., Any]) -> Any:
-        try:
-            return create(capacity_bytes=d.capacity_bytes, max_object_bytes=d.max_object_bytes,
-                          policy=d.policy)
-        except InvalidArgument as exc:
-            if exc.argument != "max_object_bytes":
-                raise
-            # the limit is about the whole cache: what fits
-            return create(capacity_bytes=d.capacity_bytes, policy=d.policy)
-
-    if d.shape == "relay":
-        head = make_head(make)
-        return Writers(head.channel.store, head.channel.store, head=head)
-    if d.shape == "remote":
-        return Writers(RemoteWriter(d.name), None)
-    # pages are taken as the ring fills, not all at start (vLLM's default capacity is 4 GiB;
-    # a server that sees few images should not hold all of it)
-    store: StoreWriter = make(lambda **kw: ObjectStore.create(d.name, n_readers=d.n_readers,
-                                                             prefault=False, **kw))
-    writers = Writers(store, store)
-    if d.api_servers > 1:
-        try:
-            writers.host = WriterHost(store, lock)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                store.close()
-            raise
-    return writers

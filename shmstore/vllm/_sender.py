@@ -28,11 +28,12 @@ from typing import Any
 
 from ..errors import InvalidArgument, KeyExists
 from ..handle import HandOut
+from ..serving._deployment import open_writer
 from ..serving._nodes import HeadPublisher
 from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
 from . import _images, _scope
-from ._deployment import Deployment, open_writer
+from ._deployment import Deployment
 from ._env import LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
 from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
