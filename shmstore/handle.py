@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 from .errors import InvalidHandle, InvalidKey
 
-__all__ = ["Handle", "HandOut", "HANDLE_WIRE", "OBJECT_ID_BYTES", "KEY_DIGEST_BYTES",
+__all__ = ["Handle", "HandOut", "HANDLE_WIRE", "OBJECT_ID_BYTES", "MAX_RECORD_BYTES",
+           "KEY_DIGEST_BYTES",
            "key_digest", "check_key"]
 
 KEY_DIGEST_BYTES = 16  # blake2b-128: collisions need ~2**64 keys
 OBJECT_ID_BYTES = KEY_DIGEST_BYTES + 8  # the key digest and the seq its bytes were first put at
+MAX_RECORD_BYTES = 768  # a HandOut's record: 1,024 of them with their hand-outs fit one frame
 HANDLE_WIRE = struct.Struct("<QQ16sQ")
 _U64_LIMIT = 1 << 64
 
@@ -84,7 +86,8 @@ class HandOut:
     object_id   the id of the stored bytes (OBJECT_ID_BYTES: the key digest and the seq the
                 bytes were first put at): the key a relay node stores them under
     record      the bytes under the field asked for (hand_out_cached(keys, field=...)); None
-                when none was asked for, the object has no such field, or it is too large
+                when none was asked for, the object has no such field, or it is over
+                MAX_RECORD_BYTES
     """
 
     handle: Handle

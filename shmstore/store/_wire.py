@@ -57,7 +57,7 @@ from ..errors import (
     StaleHandle,
     StoreFull,
 )
-from ..handle import OBJECT_ID_BYTES, Handle, HandOut, check_key
+from ..handle import MAX_RECORD_BYTES, OBJECT_ID_BYTES, Handle, HandOut, check_key
 
 __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GROUPS", "OPS",
            "POSTABLE", "ERRORS", "check_field",
@@ -68,7 +68,7 @@ __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GRO
 PROTOCOL = 4
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
 MAX_KEYS = 1024  # keys in one hand_out_cached or cached frame (RemoteWriter splits longer lists)
-MAX_PEEK_BYTES = 768  # a peeked record: MAX_KEYS of them with their hand-outs fit a frame
+MAX_PEEK_BYTES = MAX_RECORD_BYTES  # a peeked record: MAX_KEYS of them with their hand-outs fit
 MAX_FIELD_CHARS = 64  # the name of a peeked field
 MAX_GROUPS = 4096  # (handle, numbers) groups in one end_handouts frame; the client splits
 MAX_ERROR_CHARS = 4096  # an error message is cut here (a key quoted in it may be 1 MiB)

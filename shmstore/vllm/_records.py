@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from ..store._wire import MAX_PEEK_BYTES
+from ..handle import MAX_RECORD_BYTES
 from ._vllm import (
     FACTORY_CODES,
     PromptIndexTargets,
@@ -69,7 +69,7 @@ class RecordRefused(Exception):
 
 def write(updates: Sequence[Any], fingerprint: bytes) -> bytes | None:
     """The record of an item's resolved prompt updates; None when one of them was not made by
-    vLLM's factories (or the record would be over MAX_PEEK_BYTES): the item is not shared."""
+    vLLM's factories (or the record would be over MAX_RECORD_BYTES): the item is not shared."""
     if not records_supported() or len(updates) > MAX_UPDATES:
         return None
     out = []
@@ -79,7 +79,7 @@ def write(updates: Sequence[Any], fingerprint: bytes) -> bytes | None:
             return None
         out.append(encoded)
     record = msgpack.packb([RECORD_VERSION, fingerprint, out], use_bin_type=True)
-    return record if len(record) <= MAX_PEEK_BYTES else None
+    return record if len(record) <= MAX_RECORD_BYTES else None
 
 
 def _update_out(update: Any) -> list[Any] | None:
