@@ -25,6 +25,10 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   in an LRU of the same budget, fed by the misses, so the mirrors stay in step.
                   Memory: n_readers copies of the budget.
 
+A hit hands the stored object out again, a miss is stored and handed out or, when the store
+cannot take it, sent inline: `store_or_inline` is that step, shared with the vLLM plugin's
+sender (serving/_sender.py), which also settles ended requests' hand-outs before its retry.
+
 Make the sender with `SenderCache.create(kind, ...)` and each receiver with
 `ReceiverCache.attach(kind, ...)`. Payloads are tuples that shmstore's serializer and queue carry,
 led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle), (PAYLOAD_VALUE, value), (PAYLOAD_KEY, key) and
@@ -41,15 +45,16 @@ from typing import Any
 
 from .._proc import int_arg
 from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StoreFull
-from ..handle import check_key
+from ..handle import HandOut, check_key
 from ..serde._codec import encode, materialize
 from ..shm._closeable import Closeable
 from ..shm._segment import MAX_CAPACITY_BYTES
+from ..store._api import WriterAPI
 from ..store._object_store import ObjectStore, StoreReader, StoreWriter
 from ..store._policy import DEFAULT_POLICY, POLICIES
 
-__all__ = ["CACHE_KINDS", "DEFAULT_KIND", "CacheStats", "ReceiverCache", "SenderCache", "PAYLOAD_HANDLE",
-           "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT"]
+__all__ = ["CACHE_KINDS", "DEFAULT_KIND", "CacheStats", "ReceiverCache", "SenderCache",
+           "PAYLOAD_HANDLE", "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT", "store_or_inline"]
 
 CACHE_KINDS = (*(f"shm-{policy}" for policy in POLICIES), "lru")  # one per eviction policy
 DEFAULT_KIND = f"shm-{DEFAULT_POLICY}"  # the recommended kind
@@ -57,6 +62,25 @@ PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
 PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
 PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
 PAYLOAD_PUT = 4  # (PAYLOAD_PUT, key, nbytes, value): lru miss, the mirror inserts it
+
+
+def store_or_inline(store: WriterAPI, key: str | bytes, value: Any,
+                    make_room: Callable[[], bool] | None = None
+                    ) -> tuple[HandOut | None, Exception | None]:
+    """A miss: `value` (or a serde.Encoded) stored under `key` and handed out once, without
+    waiting; (None, why) when it goes inline instead: too large for the store, or the store
+    is full (after one more try if `make_room()` says it freed space). KeyExists: `key` was
+    stored meanwhile (by another writer of the same store)."""
+    for attempt in range(2):
+        try:
+            return store.hand_out_new(key, value, timeout=0), None
+        except StoreFull as exc:
+            if attempt == 0 and make_room is not None and make_room():
+                continue
+            return None, exc
+        except ObjectTooLarge as exc:
+            return None, exc
+    raise AssertionError("unreachable: the second attempt returns")
 
 
 def _check_kind(kind: Any) -> str:
@@ -209,17 +233,18 @@ class ShmSenderCache(SenderCache):
 
     def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
         store = self.store
-        if store.is_cached(key):
+        hit = store.hand_out_cached([key])[0]
+        if hit is not None:
             self._count(store.object_bytes(key), hit=True)
-            return (PAYLOAD_HANDLE, store.get_cached(key))
+            return (PAYLOAD_HANDLE, hit.handle)
         value = make_value()
         enc = encode(value)
         self._count(enc.nbytes, hit=False)
-        try:
-            return (PAYLOAD_HANDLE, store.put_encoded(key, enc, timeout=0))
-        except (ObjectTooLarge, StoreFull):
+        made, _ = store_or_inline(store, key, enc)
+        if made is None:
             self._fallbacks += 1
             return (PAYLOAD_VALUE, value)
+        return (PAYLOAD_HANDLE, made.handle)
 
     def process_into(self, key: str | bytes, template: Any,
                      fill: Callable[[dict[Any, Any]], None]) -> Any:

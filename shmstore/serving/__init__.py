@@ -10,5 +10,5 @@ items into these.
                    open_writer, which picks this process's writer by shape
     _log.py        the core's logger, sent through the engine's own (log_to)
 
-May import: errors, handle, _proc, shm, serde, store, queue, relay.
+May import: errors, handle, _proc, shm, serde, store, queue, cache, relay.
 """

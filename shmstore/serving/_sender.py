@@ -28,7 +28,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import ObjectTooLarge, StaleHandle, StoreFull, Timeout
+from ..cache._caches import store_or_inline
+from ..errors import StaleHandle, Timeout
 from ..handle import Handle, HandOut
 from ..store._api import WriterAPI
 from ._log import log
@@ -102,21 +103,14 @@ class Sender:
         even after withdrawing what only ended requests held). KeyExists: another API server
         stored it meanwhile (see shared)."""
         with self.lock:
-            for attempt in range(2):
-                try:
-                    handout = self.store.hand_out_new(key, value, timeout=0)
-                    self.items["stored"] += 1
-                    return handout
-                except StoreFull as exc:
-                    if attempt == 0 and self.ledger.settle(full=True):
-                        continue
-                    why: Exception = exc
-                except ObjectTooLarge as exc:
-                    why = exc
+            handout, why = store_or_inline(self.store, key, value,
+                                           lambda: self.ledger.settle(full=True))
+            if handout is None:
                 self.items["inline"] += 1
                 log.debug("shmstore: item %s sent inline (%s)", key, why)
                 return None
-            return None  # not reached: the loop returns on its last attempt
+            self.items["stored"] += 1
+            return handout
 
     def shared(self, key: str) -> HandOut | None:
         """A hand-out of what another API server stored under `key`; None: evicted in between
