@@ -62,11 +62,22 @@ def list_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
     return found
 
 
+def _native_path() -> str:
+    """Which path this install runs: the compiled module, or its Python twins (and why)."""
+    from .._native import ATOMIC, ORDERING
+
+    if ORDERING == "compiled":
+        return "compiled words and queue hand-off"
+    why = "module not built" if ATOMIC is None else "SHMSTORE_ORDERING"
+    return f"Python twins, {ORDERING} ordering: {why}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmstore", description=(
         "Shared-memory object store and caches for multimodal LLM serving."))
     parser.add_argument("--version", action="version",
-                        version=f"shmstore {importlib.metadata.version('shmstore')}")
+                        version=f"shmstore {importlib.metadata.version('shmstore')} "
+                                f"({_native_path()})")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="a frontend and N workers sharing image tensors")
     from ._demo import add_arguments
