@@ -26,8 +26,9 @@ Kinds (all take the same byte budget, `capacity_bytes`):
                   Memory: n_readers copies of the budget.
 
 A hit hands the stored object out again, a miss is stored and handed out or, when the store
-cannot take it, sent inline: `store_or_inline` is that step, shared with the vLLM plugin's
-sender (serving/_sender.py), which also settles ended requests' hand-outs before its retry.
+cannot take it, sent inline: StoreSender below is that logic, one for every sender. The shm
+kinds use it as it is; the vLLM plugin's sender (serving/_sender.py) builds on it, adding the
+requests its hand-outs follow (settled before its retry of a full store) and the other nodes.
 
 Make the sender with `SenderCache.create(kind, ...)` and each receiver with
 `ReceiverCache.attach(kind, ...)`. Payloads are tuples that shmstore's serializer and queue carry,
@@ -37,15 +38,16 @@ led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle), (PAYLOAD_VALUE, value), (PAYLO
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from .._proc import int_arg
-from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StoreFull
-from ..handle import HandOut, check_key
+from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StaleHandle, StoreFull
+from ..handle import Handle, HandOut, check_key
 from ..serde._codec import encode, materialize
 from ..shm._closeable import Closeable
 from ..shm._segment import MAX_CAPACITY_BYTES
@@ -54,7 +56,7 @@ from ..store._object_store import ObjectStore, StoreReader, StoreWriter
 from ..store._policy import DEFAULT_POLICY, POLICIES
 
 __all__ = ["CACHE_KINDS", "DEFAULT_KIND", "CacheStats", "ReceiverCache", "SenderCache",
-           "PAYLOAD_HANDLE", "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT", "store_or_inline"]
+           "PAYLOAD_HANDLE", "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT", "StoreSender"]
 
 CACHE_KINDS = (*(f"shm-{policy}" for policy in POLICIES), "lru")  # one per eviction policy
 DEFAULT_KIND = f"shm-{DEFAULT_POLICY}"  # the recommended kind
@@ -64,23 +66,98 @@ PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
 PAYLOAD_PUT = 4  # (PAYLOAD_PUT, key, nbytes, value): lru miss, the mirror inserts it
 
 
-def store_or_inline(store: WriterAPI, key: str | bytes, value: Any,
-                    make_room: Callable[[], bool] | None = None
-                    ) -> tuple[HandOut | None, Exception | None]:
-    """A miss: `value` (or a serde.Encoded) stored under `key` and handed out once, without
-    waiting; (None, why) when it goes inline instead: too large for the store, or the store
-    is full (after one more try if `make_room()` says it freed space). KeyExists: `key` was
-    stored meanwhile (by another writer of the same store)."""
-    for attempt in range(2):
-        try:
-            return store.hand_out_new(key, value, timeout=0), None
-        except StoreFull as exc:
-            if attempt == 0 and make_room is not None and make_room():
-                continue
-            return None, exc
-        except ObjectTooLarge as exc:
-            return None, exc
-    raise AssertionError("unreachable: the second attempt returns")
+class StoreSender:
+    """A sender's hand-outs on one store (a StoreWriter, or a RemoteWriter of another process):
+
+        take(key)            a kept touch of `key`, else a new hand-out of its cached object;
+                             None: a miss
+        store_new(key, v)    a miss stored and handed out; None (and why): send it inline (too
+                             large, or the store is full after `make_room()` freed what it
+                             could); KeyExists: another writer stored it meanwhile
+        touch(keys, ...)     hits taken early, in one call, kept until taken or released;
+                             `accept` may refuse one (given back at once)
+        release()            give back every touch not taken, each by its number
+        issued(key, h)       whether the store made hand-out `h` of what it caches under `key`
+
+    Every step takes `lock` (the caller's, held around its own store calls too)."""
+
+    def __init__(self, store: WriterAPI, lock: threading.RLock | None = None) -> None:
+        self.store = store
+        self.lock = lock if lock is not None else threading.RLock()
+        self.touched: dict[str | bytes, HandOut] = {}
+
+    def take(self, key: str | bytes, *, cached_here: bool = True) -> HandOut | None:
+        """The hand-out of a hit on `key`: its kept touch, else (if the caller can use a hit
+        on it: `cached_here`) a new hand-out of the cached object; None: a miss."""
+        with self.lock:
+            handout = self.touched.pop(key, None)
+            if handout is not None:
+                return self.renew(handout)
+            return self.store.hand_out_cached([key])[0] if cached_here else None
+
+    def renew(self, kept: HandOut) -> HandOut:
+        """A touch kept a while, as it goes out (a sender that publishes hand-outs in order
+        makes it anew: serving/_sender.py)."""
+        return kept
+
+    def store_new(self, key: str | bytes, value: Any,
+                  make_room: Callable[[], bool] | None = None
+                  ) -> tuple[HandOut | None, Exception | None]:
+        """A miss: `value` (or a serde.Encoded) stored under `key` and handed out once,
+        without waiting; (None, why) when it goes inline instead."""
+        with self.lock:
+            try:
+                return self.store.hand_out_new(key, value, timeout=0), None
+            except StoreFull as exc:
+                if make_room is None or not make_room():
+                    return None, exc
+            except ObjectTooLarge as exc:
+                return None, exc
+            try:  # once more: make_room() freed space
+                return self.store.hand_out_new(key, value, timeout=0), None
+            except (StoreFull, ObjectTooLarge) as exc:
+                return None, exc
+
+    def touch(self, keys: Iterable[str | bytes], field: str | None = None,
+              accept: Callable[[Any, HandOut], bool] | None = None) -> None:
+        """Take the hand-outs of the cached `keys` not touched yet, in one call; keep those
+        `accept` takes (all, without it), give the others back (posted: no round trip)."""
+        with self.lock:
+            want = list(dict.fromkeys(k for k in keys if k not in self.touched))
+            found = self.store.hand_out_cached(want, field) if want else []
+            for key, hit in zip(want, found, strict=True):
+                if hit is None:
+                    continue
+                if accept is None or accept(key, hit):
+                    self.touched[key] = hit
+                else:
+                    self.store.give_back(hit.handle, hit.number, wait=False)
+
+    def touch_one(self, key: str | bytes) -> None:
+        """Take one touch of `key` if it has none kept."""
+        with self.lock:
+            if key not in self.touched:
+                hit = self.store.hand_out_cached([key])[0]
+                if hit is not None:
+                    self.touched[key] = hit
+
+    def is_touched(self, handle: Handle) -> bool:
+        return any(kept.handle == handle for kept in self.touched.values())
+
+    def issued(self, key: str | bytes, handout: HandOut) -> bool:
+        with self.lock:
+            return self.store.issued(key, handout)
+
+    def release(self) -> None:
+        """Give back every touch not taken: that hand-out, not the object's last (another
+        writer's, maybe narrowed)."""
+        with self.lock:
+            touched, self.touched = self.touched, {}
+            for kept in touched.values():
+                try:
+                    self.store.give_back(kept.handle, kept.number)
+                except StaleHandle:
+                    pass  # cleared meanwhile: nothing to give back
 
 
 def _check_kind(kind: Any) -> str:
@@ -229,18 +306,19 @@ class ShmSenderCache(SenderCache):
         self.store: StoreWriter = ObjectStore.create(
             name, capacity_bytes=capacity_bytes, n_readers=n_readers,
             max_object_bytes=max_object_bytes, policy=kind.removeprefix("shm-"))
+        self._sender = StoreSender(self.store)
         self.name = self.store.name
 
     def process(self, key: str | bytes, make_value: Callable[[], Any]) -> Any:
         store = self.store
-        hit = store.hand_out_cached([key])[0]
+        hit = self._sender.take(key)
         if hit is not None:
             self._count(store.object_bytes(key), hit=True)
             return (PAYLOAD_HANDLE, hit.handle)
         value = make_value()
         enc = encode(value)
         self._count(enc.nbytes, hit=False)
-        made, _ = store_or_inline(store, key, enc)
+        made, _ = self._sender.store_new(key, enc)
         if made is None:
             self._fallbacks += 1
             return (PAYLOAD_VALUE, value)

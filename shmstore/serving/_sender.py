@@ -1,7 +1,8 @@
 """The sender, whatever the engine: one API server's hand-outs of stored items.
 
 An engine adapter (vLLM's: vllm/_sender.py) turns its cache calls into these steps and its
-items into values; everything about hand-outs is here:
+items into values; everything about hand-outs is here, on cache/_caches.py's StoreSender (the
+same hits, misses and touches the caches' shm kinds use):
 
     touch(keys, field, accept)   hits taken early, in one call (one round trip through another
                                  API server's host): pinned from here, kept until used or
@@ -9,7 +10,7 @@ items into values; everything about hand-outs is here:
                                  given back at once
     hit(key)                     a kept touch (renewed where hand-outs are published in order),
                                  else a hand-out of the cached object; None: a miss
-    store(key, value)            a miss stored and handed out; a full store settles what ended
+    store_miss(key, value)       a miss stored and handed out; a full store settles what ended
                                  requests held and tries once more; None: send it inline
     shared(key)                  a miss another API server stored meanwhile (KeyExists)
     deliver(handout, has_data)   the hand-out goes to the engine: published to the other nodes
@@ -25,12 +26,11 @@ the ledger (serving/_requests.py) shares it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..cache._caches import store_or_inline
-from ..errors import StaleHandle, Timeout
-from ..handle import Handle, HandOut
+from ..cache._caches import StoreSender
+from ..errors import Timeout
+from ..handle import HandOut
 from ..store._api import WriterAPI
 from ._log import log
 from ._nodes import HeadPublisher
@@ -46,65 +46,34 @@ class Unreachable(Exception):
     ask for the item again with its data."""
 
 
-class Sender:
-    """One API server's hand-outs: hits, misses, touches, and the request ledger they follow."""
+class Sender(StoreSender):
+    """One API server's hand-outs: StoreSender's hits, misses and touches (cache/_caches.py),
+    the request ledger they follow, and the other nodes of a TP group across nodes."""
 
     def __init__(self, store: WriterAPI, lock: threading.RLock, *, settle_s: float,
                  lease_s: float, head: HeadPublisher | None = None) -> None:
-        self.store = store
-        self.lock = lock
+        super().__init__(store, lock)
         self.head = head
-        self.touched: dict[str, HandOut] = {}  # hand-outs taken early (touch), kept
         self.items = dict.fromkeys(OUTCOMES, 0)
-        self.ledger = RequestLedger(store, settle_s, lease_s, self._is_touched, lock=lock)
-
-    def _is_touched(self, handle: Handle) -> bool:
-        return any(kept.handle == handle for kept in self.touched.values())
-
-    def touch(self, keys: Iterable[str], field: str | None,
-              accept: Callable[[str, HandOut], bool]) -> None:
-        """Take the hand-outs of the cached `keys` not touched yet, in one call; keep those
-        `accept` takes, give the others back (posted: no round trip)."""
-        with self.lock:
-            want = list(dict.fromkeys(k for k in keys if k not in self.touched))
-            found = self.store.hand_out_cached(want, field) if want else []
-            for key, hit in zip(want, found, strict=True):
-                if hit is None:
-                    continue
-                if accept(key, hit):
-                    self.touched[key] = hit
-                else:
-                    self.store.give_back(hit.handle, hit.number, wait=False)
-
-    def touch_one(self, key: str) -> None:
-        """Take one more touch of `key` if it has none kept (a hit vLLM touches again)."""
-        with self.lock:
-            if key not in self.touched:
-                hit = self.store.hand_out_cached([key])[0]
-                if hit is not None:
-                    self.touched[key] = hit
+        self.ledger = RequestLedger(store, settle_s, lease_s, self.is_touched, lock=lock)
 
     def hit(self, key: str, *, cached_here: bool) -> HandOut | None:
-        """The hand-out of a hit on `key`: its kept touch, else (if the adapter can use a hit
-        on it: `cached_here`) a new hand-out of the cached object; None: a miss."""
+        """StoreSender.take, renewed where hand-outs are published in order, and counted."""
         with self.lock:
-            handout = self.touched.pop(key, None)
-            if handout is not None and self.head is not None:
-                # published hand-outs go out in the order they are made: renew the kept one
-                handout = self.head.renew(handout)
-            if handout is None and cached_here:
-                handout = self.store.hand_out_cached([key])[0]
+            handout = self.take(key, cached_here=cached_here)
             if handout is not None:
                 self.items["hit"] += 1
             return handout
 
-    def store_new(self, key: str, value: Any) -> HandOut | None:
-        """Store a miss and hand it out; None: send it inline (too large, or the store is full
-        even after withdrawing what only ended requests held). KeyExists: another API server
-        stored it meanwhile (see shared)."""
+    def renew(self, kept: HandOut) -> HandOut:
+        """Published hand-outs go out in the order they are made: a kept touch is made anew."""
+        return kept if self.head is None else self.head.renew(kept)
+
+    def store_miss(self, key: str, value: Any) -> HandOut | None:
+        """StoreSender.store_new, retried once after settling what ended requests held; None:
+        send it inline. KeyExists: another API server stored it meanwhile (see shared)."""
         with self.lock:
-            handout, why = store_or_inline(self.store, key, value,
-                                           lambda: self.ledger.settle(full=True))
+            handout, why = self.store_new(key, value, lambda: self.ledger.settle(full=True))
             if handout is None:
                 self.items["inline"] += 1
                 log.debug("shmstore: item %s sent inline (%s)", key, why)
@@ -144,22 +113,6 @@ class Sender:
                     return None
             self.ledger.handed_out(handout.number, handout.handle, key)
             return handout
-
-    def issued(self, key: str, handout: HandOut) -> bool:
-        """Whether `handout` (from an engine input) is one the store made of `key` now."""
-        with self.lock:
-            return self.store.issued(key, handout)
-
-    def release(self) -> None:
-        """Give back every touch not used: that hand-out, not the object's last (another
-        server's, maybe narrowed)."""
-        with self.lock:
-            touched, self.touched = self.touched, {}
-            for kept in touched.values():
-                try:
-                    self.store.give_back(kept.handle, kept.number)
-                except StaleHandle:
-                    pass  # cleared meanwhile: nothing to give back
 
     def routed(self, request_id: str, engine: int, engines: int, per_engine: int) -> None:
         """The engine client sends `request_id` to engine `engine` of `engines`: its hand-outs

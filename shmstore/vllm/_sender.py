@@ -193,7 +193,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if record is not None:
             value[RECORD_FIELD] = record
         try:
-            handout = core.store_new(mm_hash, value)
+            handout = core.store_miss(mm_hash, value)
         except KeyExists:  # stored (by another API server), but not its prompt updates here
             handout = core.shared(mm_hash)
         if handout is None:

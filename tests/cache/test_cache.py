@@ -225,3 +225,35 @@ def test_process_into_whose_fill_raises_caches_nothing(cache: Harness) -> None:
                                         lambda a: a["x"].fill(3))
     assert all(int(r.resolve(payload)["x"].sum()) == 3 * 64 for r in cache.receivers)
     assert cache.sender.stats().hits == 0  # the first attempt left nothing behind
+
+
+def test_store_sender_hits_misses_and_touches_are_each_one_hand_out(name: str) -> None:
+    """StoreSender, the logic every sender shares (the shm kinds', vLLM's): a touch is taken
+    once and kept, a take uses it (else hands out anew), a refused touch and a released one
+    go back by number, and a miss that the store cannot take comes back with why."""
+    from shmstore import ObjectStore
+    from shmstore.cache._caches import StoreSender
+    from shmstore.errors import ObjectTooLarge as TooLarge
+
+    with ObjectStore.create(name, capacity_bytes=1 << 20, n_readers=1,
+                            max_object_bytes=64 << 10) as store:
+        sender = StoreSender(store)
+        made, why = sender.store_new("a", np.zeros(8))
+        assert made is not None and why is None and store.unread(made.handle) == (1,)
+        big, why = sender.store_new("big", np.zeros(1 << 17, np.uint8))
+        assert big is None and isinstance(why, TooLarge) and not store.is_cached("big")
+        sender.store_new("b", np.ones(8))
+        refused = []
+        sender.touch(["a", "b", "missing", "a"],
+                     accept=lambda key, h: key == "a" or bool(refused.append(h)))
+        assert set(sender.touched) == {"a"} and store.unread(made.handle) == (2,)
+        assert len(refused) == 1 and store.unread(refused[0].handle) == (1,)  # given back
+        kept = sender.touched["a"]
+        assert sender.take("a") == kept and sender.touched == {}  # the touch, not a new one
+        again = sender.take("a")
+        assert again is not None and again.number > kept.number and store.unread(made.handle) == (3,)
+        assert sender.take("missing") is None and sender.take("a", cached_here=False) is None
+        sender.touch_one("b")
+        sender.release()  # the touch of b goes back by its number
+        assert store.unread(refused[0].handle) == (1,) and sender.touched == {}
+        assert sender.issued("a", again) and not sender.issued("b", again)
