@@ -30,18 +30,21 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
+    BadMagic,
     Closed,
     CorruptObject,
     InvalidArgument,
     ReaderIndexError,
     ReaderSlotBusy,
     SegmentNotFound,
+    SegmentTooSmall,
     StaleHandle,
     Timeout,
     WriterGone,
 )
 from ..handle import Handle, HandOut, key_digest
 from ..queue._channel import Channel, ChannelReader, ChannelWriter
+from ..shm._header import being_made
 from ._log import log
 
 if TYPE_CHECKING:
@@ -217,6 +220,11 @@ def _attach_free(name: str, n_local: int) -> ChannelReader:
                 f"every reader of relay channel {name!r} is taken ({index}): start `shmstore "
                 f"relay connect` on this node with --readers {n_local} (its workers)",
                 "readers", index) from None
+        except (BadMagic, SegmentTooSmall) as exc:
+            if not being_made(exc.name):
+                raise
+            raise SegmentNotFound(f"relay channel {name!r} is still being created ({exc.name!r} "
+                                  "is not complete yet); try again in a moment", name) from None
         except SegmentNotFound:
             raise SegmentNotFound(
                 f"no relay channel {name!r} on this node: start `shmstore relay connect "

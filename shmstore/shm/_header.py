@@ -33,7 +33,7 @@ from ..errors import InvalidName
 __all__ = ["SEGMENT_HEADER", "MAGIC", "MAKING_MAGIC", "LAYOUT_VERSION", "ALIGN_BYTES", "KIND_RING",
            "KIND_QUEUE", "KIND_NAMES", "SHM_DIR", "MAX_CAPACITY_BYTES", "MAX_NAME_CHARS", "align_up",
            "shm_free_bytes", "validate_name", "posix_name", "regular_file", "peek_header", "peek_epoch",
-           "peek_writer_pid"]
+           "being_made", "peek_writer_pid"]
 
 MAGIC = b"SHMSTORE"
 MAKING_MAGIC = b"SHMSTMK~"  # header written before the space is reserved: a crash is visible
@@ -120,6 +120,24 @@ def _peek_fields(name: str) -> tuple[int | bytes, ...] | None:
     if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
         return None
     return tuple(SEGMENT_HEADER.unpack(header))
+
+
+def being_made(name: str) -> bool:
+    """Whether `name` is a shmstore segment its writer is still creating (its header not
+    written whole yet): an attach should come back in a moment, not give up."""
+    if not regular_file(name):
+        return False
+    try:
+        shm = posix_ipc.SharedMemory(posix_name(name))
+    except posix_ipc.Error:
+        return False
+    try:
+        header = os.pread(shm.fd, SEGMENT_HEADER.size, 0)
+    except OSError:
+        return False
+    finally:
+        shm.close_fd()
+    return len(header) < SEGMENT_HEADER.size or header[:8] == MAKING_MAGIC
 
 
 def peek_writer_pid(name: str) -> int | None:

@@ -761,3 +761,24 @@ def test_releasing_a_touch_gives_back_that_hand_out_not_the_objects_last(caches:
     store.narrow(handle, later, [0])
     sender.release_sender_touches()
     store.give_back(handle, later)  # still there to give back: the touch went, not this one
+
+
+def test_a_node_feed_waits_for_a_relay_channel_still_being_created(name: str) -> None:
+    """A worker that starts while its node's relay is creating the channel (the header not
+    written whole yet) is told to try again (SegmentNotFound), not that the name is foreign."""
+    import posix_ipc
+
+    from shmstore.errors import IncompatibleSegment
+    from shmstore.shm._header import MAKING_MAGIC, SEGMENT_HEADER
+
+    half = posix_ipc.SharedMemory("/" + name + ".queue", posix_ipc.O_CREX, size=4096)
+    try:
+        os.pwrite(half.fd, MAKING_MAGIC + bytes(SEGMENT_HEADER.size - 8), 0)
+        with pytest.raises(SegmentNotFound, match="still being created"):
+            NodeFeed(name, 1, wait_s=1.0)
+        os.pwrite(half.fd, b"NOTOURS!" + bytes(SEGMENT_HEADER.size - 8), 0)
+        with pytest.raises(IncompatibleSegment):
+            NodeFeed(name, 1, wait_s=1.0)  # a name another program uses: not waited for
+    finally:
+        half.close_fd()
+        half.unlink()
