@@ -7,7 +7,8 @@ payload, goes to every worker with the request. Each worker calls `resolve(paylo
 
 Kinds (all take the same byte budget, `capacity_bytes`):
 
-    shm-fifo      one shared ObjectStore ring, FIFO eviction: the payload is a Handle (40 bytes).
+    shm-fifo      one shared ObjectStore ring, FIFO eviction: the payload is a hand-out (its
+                  Handle, number and object id: about 90 bytes).
                   A value above max_object_size, or a store whose oldest object is still owed to
                   a worker, is sent inline instead (counted as an inline fallback). Memory: one
                   copy of the budget, shared by all workers.
@@ -32,8 +33,10 @@ requests its hand-outs follow (settled before its retry of a full store) and the
 
 Make the sender with `SenderCache.create(kind, ...)` and each receiver with
 `ReceiverCache.attach(kind, ...)`. Payloads are tuples that shmstore's serializer and queue carry,
-led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle), (PAYLOAD_VALUE, value), (PAYLOAD_KEY, key) and
-(PAYLOAD_PUT, key, nbytes, value).
+led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle, number, object id), (PAYLOAD_VALUE, value),
+(PAYLOAD_KEY, key) and (PAYLOAD_PUT, key, nbytes, value). A receiver reads a hand-out with
+StoreReceiver below, as the vLLM plugin's workers do (serving/_receiver.py): checked against the
+store first, and counted once however often its payload is resolved.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from typing import Any
 
 from .._proc import int_arg
 from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StaleHandle, StoreFull
-from ..handle import Handle, HandOut, check_key
+from ..handle import Handle, HandOut, check_key, key_digest
 from ..serde._codec import encode, materialize
 from ..shm._closeable import Closeable
 from ..shm._segment import MAX_CAPACITY_BYTES
@@ -56,11 +59,13 @@ from ..store._object_store import ObjectStore, StoreReader, StoreWriter
 from ..store._policy import DEFAULT_POLICY, POLICIES
 
 __all__ = ["CACHE_KINDS", "DEFAULT_KIND", "CacheStats", "ReceiverCache", "SenderCache",
-           "PAYLOAD_HANDLE", "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT", "StoreSender"]
+           "PAYLOAD_HANDLE", "PAYLOAD_VALUE", "PAYLOAD_KEY", "PAYLOAD_PUT", "StoreSender",
+           "StoreReceiver", "READ_MEMORY"]
+READ_MEMORY = 1 << 16  # (request, hand-out) pairs a receiver remembers having read
 
 CACHE_KINDS = (*(f"shm-{policy}" for policy in POLICIES), "lru")  # one per eviction policy
 DEFAULT_KIND = f"shm-{DEFAULT_POLICY}"  # the recommended kind
-PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle): read it from the shared store
+PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle, number, object id): read it from the store
 PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
 PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
 PAYLOAD_PUT = 4  # (PAYLOAD_PUT, key, nbytes, value): lru miss, the mirror inserts it
@@ -158,6 +163,59 @@ class StoreSender:
                     self.store.give_back(kept.handle, kept.number)
                 except StaleHandle:
                     pass  # cleared meanwhile: nothing to give back
+
+
+class StoreReceiver:
+    """A worker's reads of hand-outs on one store, whatever sends them (the shm kinds' payloads,
+    the vLLM plugin's handle items: serving/_receiver.py builds on it). A hand-out is checked
+    first against what it names: the item's key (its handle's key digest, where the key is
+    known), a number the store has made, and the object's origin (its id), so a damaged or
+    replayed one takes no read another request still needs. Each hand-out is counted once
+    per request (an engine may send a request again; a payload may be resolved twice)."""
+
+    def __init__(self, attach: Callable[[], StoreReader], *, pin_memory: bool = False) -> None:
+        self._attach = attach  # this worker's reader, attached at first use
+        self._reader: StoreReader | None = None
+        self._pin_memory = pin_memory
+        self._read: OrderedDict[tuple[str | None, int], None] = OrderedDict()
+
+    @property
+    def reader(self) -> StoreReader:
+        if self._reader is None:
+            self._reader = self._attach()
+        return self._reader
+
+    def check(self, handout: HandOut, key: str | bytes | None = None) -> None:
+        """StaleHandle unless `handout` can be a hand-out of `key` that the store made."""
+        handle, number = handout.handle, handout.number
+        if key is not None and handle.key_digest != key_digest(key):
+            raise StaleHandle(f"hand-out {number} names another key's object", handle)
+        last = self.reader.handout_seq
+        if type(number) is not int or not 0 < number <= last:
+            raise StaleHandle(f"hand-out number {number} was never made by the store (its last "
+                              f"is {last})", handle)
+
+    def read(self, handout: HandOut, key: str | bytes | None = None,
+             request: str | None = None) -> Any:
+        """An owned copy of `handout`'s object, counted once per (request, hand-out).
+
+        Raises:
+            StaleHandle, CorruptObject: as StoreReader.get, and as check() says.
+        """
+        self.check(handout, key)
+        read = (request, handout.number)
+        count = read not in self._read
+        value = self.reader.get(handout.handle, count=count, pin_memory=self._pin_memory,
+                                origin=handout.origin)
+        if count:
+            self._read[read] = None
+            if len(self._read) > READ_MEMORY:
+                self._read.popitem(last=False)
+        return value
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
 
 def _check_kind(kind: Any) -> str:
@@ -289,6 +347,10 @@ class ReceiverCache(Closeable):
 
 
 
+def _handle_payload(handout: HandOut) -> tuple[int, Handle, int, bytes]:
+    return (PAYLOAD_HANDLE, handout.handle, handout.number, handout.object_id)
+
+
 def _bad_payload(payload: Any, kind: str) -> CorruptObject:
     return CorruptObject(f"{kind} cache got payload {payload!r:.80}, which no {kind} sender "
                          "makes: sender and receivers must use the same cache kind")
@@ -314,7 +376,7 @@ class ShmSenderCache(SenderCache):
         hit = self._sender.take(key)
         if hit is not None:
             self._count(store.object_bytes(key), hit=True)
-            return (PAYLOAD_HANDLE, hit.handle)
+            return _handle_payload(hit)
         value = make_value()
         enc = encode(value)
         self._count(enc.nbytes, hit=False)
@@ -322,14 +384,15 @@ class ShmSenderCache(SenderCache):
         if made is None:
             self._fallbacks += 1
             return (PAYLOAD_VALUE, value)
-        return (PAYLOAD_HANDLE, made.handle)
+        return _handle_payload(made)
 
     def process_into(self, key: str | bytes, template: Any,
                      fill: Callable[[dict[Any, Any]], None]) -> Any:
         store = self.store
-        if store.is_cached(key):
+        hit = self._sender.take(key)
+        if hit is not None:
             self._count(store.object_bytes(key), hit=True)
-            return (PAYLOAD_HANDLE, store.get_cached(key))
+            return _handle_payload(hit)
         filling = False
         try:
             with store.reserve(key, template, timeout=0) as reservation:
@@ -344,7 +407,8 @@ class ShmSenderCache(SenderCache):
             self._count(encode(value).nbytes, hit=False)
             return (PAYLOAD_VALUE, value)
         self._count(store.object_bytes(key), hit=False)
-        return (PAYLOAD_HANDLE, reservation.handle)
+        assert reservation.handout is not None  # set by a clean exit
+        return _handle_payload(reservation.handout)
 
     def stats(self) -> CacheStats:
         s = self.store.stats()
@@ -360,22 +424,34 @@ class ShmReceiverCache(ReceiverCache):
     def __init__(self, kind: str, name: str, reader: int) -> None:
         self.kind = kind
         self.store: StoreReader = ObjectStore.attach(name, reader)
+        self._receiver = StoreReceiver(lambda: self.store)
 
     def resolve(self, payload: Any) -> Any:
-        tag = payload[0] if type(payload) is tuple and payload else None
-        if tag == PAYLOAD_HANDLE and len(payload) == 2:
-            return self.store.get(payload[1])
-        if tag == PAYLOAD_VALUE and len(payload) == 2:
+        handout = self._handout(payload)
+        if handout is not None:
+            return self._receiver.read(handout)
+        if type(payload) is tuple and len(payload) == 2 and payload[0] == PAYLOAD_VALUE:
             return payload[1]
         raise _bad_payload(payload, self.kind)
 
     @contextmanager
     def resolve_view(self, payload: Any) -> Iterator[Any]:
-        if type(payload) is tuple and len(payload) == 2 and payload[0] == PAYLOAD_HANDLE:
-            with self.store.view(payload[1]) as value:
-                yield value
-        else:
+        handout = self._handout(payload)
+        if handout is None:
             yield self.resolve(payload)
+            return
+        self._receiver.check(handout)
+        with self.store.view(handout.handle) as value:
+            yield value
+
+    def _handout(self, payload: Any) -> HandOut | None:
+        """The hand-out a PAYLOAD_HANDLE payload carries; None for another payload."""
+        if not (type(payload) is tuple and len(payload) == 4 and payload[0] == PAYLOAD_HANDLE):
+            return None
+        _, handle, number, object_id = payload
+        if type(handle) is not Handle or type(number) is not int or type(object_id) is not bytes:
+            raise _bad_payload(payload, self.kind)
+        return HandOut(handle, number, object_id)
 
     def close(self) -> None:
         self.store.close()

@@ -15,7 +15,7 @@ from shmstore.cache._caches import (
     ReceiverCache,
     SenderCache,
 )
-from tests._names import CorruptObject, InvalidArgument, InvalidKey
+from tests._names import CorruptObject, InvalidArgument, InvalidKey, StaleHandle
 
 N_READERS = 2
 OBJ_BYTES = 10_000
@@ -257,3 +257,31 @@ def test_store_sender_hits_misses_and_touches_are_each_one_hand_out(name: str) -
         sender.release()  # the touch of b goes back by its number
         assert store.unread(refused[0].handle) == (1,) and sender.touched == {}
         assert sender.issued("a", again) and not sender.issued("b", again)
+
+
+def test_a_shm_receiver_checks_a_hand_out_and_counts_it_once(name: str) -> None:
+    """A shm kind's payload is a hand-out; its receiver reads it as the vLLM plugin's workers
+    do (StoreReceiver): a number the store never made, or a payload whose parts are not what
+    they say, is refused before any read, and a payload resolved twice is one read."""
+    h = Harness("shm-fifo", name)
+    try:
+        payload = h.sender.process("k", lambda: obj(1))
+        assert payload[0] == PAYLOAD_HANDLE and len(payload) == 4
+        store, handle = h.sender.store, payload[1]
+        forged = (PAYLOAD_HANDLE, handle, payload[2] + 1000, payload[3])
+        with pytest.raises(StaleHandle, match="never made"):
+            h.receivers[0].resolve(forged)
+        with pytest.raises(StaleHandle):
+            with h.receivers[0].resolve_view(forged):
+                pass
+        with pytest.raises(CorruptObject, match="same cache kind"):
+            h.receivers[0].resolve((PAYLOAD_HANDLE, handle, "2", payload[3]))
+        moved = (PAYLOAD_HANDLE, handle, payload[2], handle.key_digest + b"\x09" * 8)
+        with pytest.raises(StaleHandle):
+            h.receivers[0].resolve(moved)  # another origin: not these bytes
+        assert store.unread(handle) == (1,) * N_READERS  # nothing was read by the refusals
+        for r in h.receivers:
+            assert r.resolve(payload)["tag"] == 1 and r.resolve(payload)["tag"] == 1
+        assert store.unread(handle) == (0,) * N_READERS  # twice resolved, once read
+    finally:
+        h.close()
