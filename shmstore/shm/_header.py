@@ -104,7 +104,9 @@ def peek_epoch(name: str) -> int | None:
     return None if fields is None else int(fields[8])
 
 
-def _peek_fields(name: str) -> tuple[int | bytes, ...] | None:
+def _header_bytes(name: str) -> bytes | None:
+    """The first SEGMENT_HEADER.size bytes (or fewer) of shared memory `name`, read without
+    mapping it; None if there is no regular file of that name."""
     if not regular_file(name):
         return None
     try:
@@ -112,12 +114,17 @@ def _peek_fields(name: str) -> tuple[int | bytes, ...] | None:
     except posix_ipc.Error:
         return None
     try:
-        header = os.pread(shm.fd, SEGMENT_HEADER.size, 0)
+        return os.pread(shm.fd, SEGMENT_HEADER.size, 0)
     except OSError:  # replaced by something that is not a file meanwhile
         return None
     finally:
         shm.close_fd()
-    if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
+
+
+def _peek_fields(name: str) -> tuple[int | bytes, ...] | None:
+    header = _header_bytes(name)
+    if header is None or len(header) < SEGMENT_HEADER.size or \
+            header[:8] not in (MAGIC, MAKING_MAGIC):
         return None
     return tuple(SEGMENT_HEADER.unpack(header))
 
@@ -125,19 +132,9 @@ def _peek_fields(name: str) -> tuple[int | bytes, ...] | None:
 def being_made(name: str) -> bool:
     """Whether `name` is a shmstore segment its writer is still creating (its header not
     written whole yet): an attach should come back in a moment, not give up."""
-    if not regular_file(name):
-        return False
-    try:
-        shm = posix_ipc.SharedMemory(posix_name(name))
-    except posix_ipc.Error:
-        return False
-    try:
-        header = os.pread(shm.fd, SEGMENT_HEADER.size, 0)
-    except OSError:
-        return False
-    finally:
-        shm.close_fd()
-    return len(header) < SEGMENT_HEADER.size or header[:8] == MAKING_MAGIC
+    header = _header_bytes(name)
+    return header is not None and (len(header) < SEGMENT_HEADER.size
+                                   or header[:8] == MAKING_MAGIC)
 
 
 def peek_writer_pid(name: str) -> int | None:
