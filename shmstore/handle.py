@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import InvalidHandle, InvalidKey
 
@@ -73,13 +74,13 @@ class Handle:
                 f"key_digest={self.key_digest.hex()}, epoch={self.epoch:#x})")
 
 
-@dataclass(frozen=True, slots=True)
-class HandOut:
+class HandOut(NamedTuple):
     """One hand-out of a stored object: what every writer call that hands out returns.
 
     A hand-out is one read owed by each reader the object is handed to, until they read it or
     the writer takes it back. Send `handle` to the readers; name `number` to give this hand-out
-    back, narrow it to some readers or end it (give_back, narrow, end_handouts).
+    back, narrow it to some readers or end it (give_back, narrow, end_handouts). An immutable
+    value (a named tuple: made on every hit, so it costs what a tuple costs).
 
     handle      names the object (StoreReader.get / view take it)
     number      the store-wide number of this hand-out (1, 2, 3, ... across every object)

@@ -19,6 +19,8 @@ from ._space import Space
 
 __all__ = ["HandOuts", "object_id"]
 
+_new = tuple.__new__
+
 
 class HandOuts:
     """Hand-outs of live objects, and taking them back."""
@@ -136,7 +138,9 @@ class HandOuts:
             self._index.handed_out(entry)  # first: listed in vain costs a scrape one look
             entry.handouts.append(number)
         self._advance(number)
-        return HandOut(entry.handle, number, object_id(entry), record)
+        # tuple.__new__: a HandOut without the Python-level __new__ of a named tuple (a hit
+        # makes one every time)
+        return _new(HandOut, (entry.handle, number, entry.object_id or object_id(entry), record))
 
     def _advance(self, number: int) -> None:
         self.seq = number
@@ -154,5 +158,9 @@ class HandOuts:
 
 
 def object_id(entry: Entry) -> bytes:
-    """The id of `entry`'s bytes (HandOut.object_id): its key digest and origin seq."""
-    return entry.handle.key_digest + U64.pack(entry.origin)
+    """The id of `entry`'s bytes (HandOut.object_id): its key digest and origin seq (kept in the
+    entry once made: a hit makes a HandOut every time)."""
+    oid = entry.object_id
+    if not oid:
+        oid = entry.object_id = entry.handle.key_digest + U64.pack(entry.origin)
+    return oid

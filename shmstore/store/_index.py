@@ -29,6 +29,7 @@ class Entry:
     ended: set[int] = field(default_factory=set)  # hand-outs whose users said they are over
     narrowed: dict[int, int] = field(default_factory=dict)  # hand-out -> mask of its readers
     outs: int = 0  # hand-outs made and narrowings, ever: the scrape's way to see one while it looked
+    object_id: bytes = b""  # key digest + origin seq (HandOut.object_id), set when it is made
 
 
 class Index:
