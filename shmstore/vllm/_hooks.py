@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
@@ -32,15 +31,6 @@ __all__ = ["install_request_hooks", "wrappers"]
 log = logging.getLogger(LOG_NAME)
 
 
-class _Rendered:
-    """The hand-outs rendered in one task of the OpenAI server (a request's), in its context."""
-
-    __slots__ = ("__weakref__", "numbers")
-
-    def __init__(self) -> None:
-        self.numbers: list[int] = []
-
-
 def _ledgers() -> list[RequestLedger]:
     """The request ledgers of this process's senders (a snapshot: hooks run on other threads)."""
     return [sender.ledger for sender in list(SENDERS)]
@@ -49,12 +39,6 @@ def _ledgers() -> list[RequestLedger]:
 def _render_ended(numbers: list[int]) -> None:
     for ledger in _ledgers():
         ledger.render_ended(numbers)
-
-
-# the hand-outs rendered in this asyncio task (a request's), a scope of its own: the processing
-# thread does not share the task's context (vllm/_scope.py has the request's processing)
-_RENDERED: contextvars.ContextVar[_Rendered | None] = contextvars.ContextVar(
-    "shmstore_rendered", default=None)
 
 
 def _feature_numbers(request: Any) -> list[int]:
@@ -153,16 +137,17 @@ def render_async(original: Any) -> Any:
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         # the list lives as long as the server's task for this request (its context):
         # what it lists and no request claimed by then was never sent
-        rendered = _Rendered()
-        weakref.finalize(rendered, _render_ended, rendered.numbers)
-        _RENDERED.set(rendered)
+        scope = _scope.rendering()
+        rendered = scope.rendered
+        assert rendered is not None  # a server task's scope has one
+        weakref.finalize(scope, _render_ended, rendered)
         try:
             return await original(*args, **kwargs)
         except BaseException:  # refused while rendering: never sent
             for ledger in _ledgers():
                 _tell("a request was refused while rendering",
-                      functools.partial(ledger.refused, list(rendered.numbers)))
-            rendered.numbers.clear()
+                      functools.partial(ledger.refused, list(rendered)))
+            rendered.clear()
             raise
     return wrapper
 
@@ -171,9 +156,9 @@ def process_tokens_async(original: Any) -> Any:
     @functools.wraps(original)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         engine_input = await original(*args, **kwargs)
-        rendered = _RENDERED.get()
-        if rendered is not None and SENDERS:
-            rendered.numbers.extend(numbers_in(engine_input, handout_number))
+        scope = _scope.current()
+        if scope is not None and scope.rendered is not None and SENDERS:
+            scope.rendered.extend(numbers_in(engine_input, handout_number))
         return engine_input
     return wrapper
 
