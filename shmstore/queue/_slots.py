@@ -65,8 +65,8 @@ class PythonSlots:
         if (row >= 0) != (wait is not None) or (row >= 0 and len(post) != 1):
             raise ValueError("a reader posts one doorbell and waits on its own; the writer "
                              "posts one per reader and waits on none")
-        if layout["slot_nbytes"] + 16 != layout["slot_crc"] + 4 or \
-                layout["slot_tag"] != layout["slot_nbytes"] + 8:
+        at = layout["slot_nbytes"]
+        if (layout["slot_tag"], layout["slot_crc"]) != (at + 8, at + 12):  # _FIELDS' order
             raise ValueError(f"the Python hand-off reads nbytes, tag and crc as one field "
                              f"group; this layout splits them: {layout}")
         self._words = words
@@ -92,12 +92,13 @@ class PythonSlots:
         at, buf, words = self._at, self._buf, self._words
         slot = self._slot(seq)
         start = slot + at["body"]
-        nbytes = body if type(body) is int else memoryview(body).nbytes
+        view = None if type(body) is int else memoryview(body).cast("B")
+        nbytes = body if view is None else view.nbytes
         if nbytes > at["slot_bytes"]:
             raise ValueError(f"a body of {nbytes} bytes does not fit a "
                              f"{at['slot_bytes']}-byte slot")
-        if type(body) is not int:
-            buf[start:start + nbytes] = memoryview(body).cast("B")
+        if view is not None:
+            buf[start:start + nbytes] = view
         crc = message_crc(buf[start:start + nbytes], tag)
         _FIELDS.pack_into(buf, slot + at["slot_nbytes"], nbytes, tag, crc)
         words.store_release(slot, seq)  # published: the payload is complete before this
