@@ -45,7 +45,7 @@ def main() -> None:
     from vllm.multimodal.media.image import ImageMediaIO
 
     from bench.bench_serve import photo
-    from shmstore.vllm._images import lazy_loader
+    from shmstore.vllm._accel._images import lazy_loader
 
     eager = getattr(ImageMediaIO.load_bytes, "__wrapped__", ImageMediaIO.load_bytes)
     lazy, io = lazy_loader(eager), ImageMediaIO()

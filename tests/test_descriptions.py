@@ -77,9 +77,10 @@ def _design_tree() -> dict[str, set[str]]:
     named: dict[str, set[str]] = {}
     package: str | None = None
     for line in block[:block.index("```")].splitlines():
-        start = re.match(r"  (\w+)/\s", line)
+        start = re.match(r"  ([\w/]+?)/\s", line)
         if start:
             package = start.group(1)  # "  shm/  _segment.py ...": a subpackage's first line
+            # ("  vllm/_accel/ ...": a subpackage's own subpackage)
         elif re.match(r"  \w+\.py\b", line):
             package = ""  # "  metrics.py ...": the top level
         elif not line.startswith(" " * 13):
@@ -91,7 +92,8 @@ def _design_tree() -> dict[str, set[str]]:
 
 def test_the_design_pages_tree_names_every_module_and_nothing_else() -> None:
     named = _design_tree()
-    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    packages = sorted(p.parent.relative_to(PACKAGE).as_posix()
+                      for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
     assert sorted(k for k in named if k) == packages
     for package in ["", *packages]:
         folder = PACKAGE / package
@@ -108,7 +110,7 @@ LAYERS = "_native|shm|serde|store|queue|cache|relay|cli|vllm"
 DOTTED = re.compile(r"(?<![\w./])(?:shmstore\.)?"
                     r"(?:(_native|shm|serde|store|queue|cache|relay|cli)\.([a-z_]\w*)"
                     r"|(vllm)\.(_\w+|plugin))\.(\w+)")
-PATH = re.compile(rf"(?<![\w./])(?:shmstore/)?({LAYERS})/(\w+\.(?:py|c))\b")
+PATH = re.compile(rf"(?<![\w./])(?:shmstore/)?({LAYERS})/((?:\w+/)?\w+\.(?:py|c))\b")
 
 
 def test_every_module_the_sources_and_docs_name_exists() -> None:
@@ -119,7 +121,8 @@ def test_every_module_the_sources_and_docs_name_exists() -> None:
             (ROOT / "CONTRIBUTING.md").read_text().splitlines(), 1)]:
         for found in DOTTED.finditer(line):
             package, module = found.group(1) or found.group(3), found.group(2) or found.group(4)
-            if not (PACKAGE / package / f"{module}.py").exists():
+            if not ((PACKAGE / package / f"{module}.py").exists()
+                    or (PACKAGE / package / module / "__init__.py").exists()):
                 wrong.append(f"{where}: {package}.{module}")
         for package, file in PATH.findall(line):
             if not (PACKAGE / package / file).exists():

@@ -31,7 +31,7 @@ FACES = {  # each namespace a user may import from, and exactly what it offers
         "DEFAULT_HEARTBEAT_S"},
     "shmstore.vllm": {
         "register", "ENABLE_ENV", "POLICY_ENV", "SETTLE_ENV", "LEASE_ENV", "PUBLISH_ENV",
-        "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "LAZY_IMAGES_ENV", "SHARE_UPDATES_ENV"},
+        "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "ACCELERATE_ENV"},
 }
 
 

@@ -11,9 +11,11 @@ ledger, TP across nodes): vLLM's calls, configuration and item shapes are read h
     _sender.py     the sender cache, in each API process (on serving/_sender.py's Sender)
     _receiver.py   the receiver cache, in each worker
     _items.py      vLLM's items as stored values, and the handle items sent instead
-    _records.py    an item's resolved prompt updates as a record stored beside its tensors
-    _images.py     images decoded only when the processor needs them (a hit never decodes)
-    _scope.py      one request's processing as one object (fingerprint, pending images)
+    _accel/        the acceleration, behind one switch: lazy images (a hit never decodes)
+                   and prompt-update records stored beside the tensors (a hit skips the
+                   HF processor whichever API server processed the item)
+    _scope.py      a request's processing scope (passed explicitly) and a server task's
+                   rendered hand-outs
     _hooks.py      the request hooks that make hand-outs follow requests (serving's ledger)
 
 Only _vllm.py imports vllm, and only where the plugin runs inside vLLM; only
@@ -23,20 +25,18 @@ May import: errors, handle, _proc, shm, store, queue, relay, serving, metrics.
 """
 
 from ._env import (
+    ACCELERATE_ENV,
     ALLOW_ENV,
     ENABLE_ENV,
     INSECURE_ENV,
     KEYS_ENV,
-    LAZY_IMAGES_ENV,
     LEASE_ENV,
     POLICY_ENV,
     PUBLISH_ENV,
     SETTLE_ENV,
-    SHARE_UPDATES_ENV,
     WAIT_ENV,
 )
 from .plugin import register
 
 __all__ = ["register", "ENABLE_ENV", "POLICY_ENV", "SETTLE_ENV", "LEASE_ENV", "PUBLISH_ENV",
-           "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "LAZY_IMAGES_ENV",
-           "SHARE_UPDATES_ENV"]
+           "KEYS_ENV", "ALLOW_ENV", "INSECURE_ENV", "WAIT_ENV", "ACCELERATE_ENV"]

@@ -16,17 +16,17 @@ from .._proc import env_seconds, env_switch
 from ..serving._deployment import Shape
 from ..store._policy import DEFAULT_POLICY
 from ._env import (
+    ACCELERATE_ENV,
     ALLOW_ENV,
     INSECURE_ENV,
     KEYS_ENV,
-    LAZY_IMAGES_ENV,
     LEASE_ENV,
     LOG_NAME,
     METRICS_DIR_ENV,
     POLICY_ENV,
     PUBLISH_ENV,
+    REPLACED_ENV,
     SETTLE_ENV,
-    SHARE_UPDATES_ENV,
     WAIT_ENV,
 )
 from ._vllm import buffer_name, vllm_version, world_local_rank
@@ -50,8 +50,7 @@ class Deployment(Shape):
     cache_type: str  # what the user asked for (--mm-processor-cache-type)
     unservable: str | None  # why one store cannot serve this deployment; None if it can
     metrics_multiprocess: bool  # vLLM serves /metrics from prometheus_client's files
-    lazy_images: bool  # a hit never decodes its image (_images.py)
-    share_updates: bool  # prompt-update records beside the tensors (_records.py)
+    accelerate: bool  # lazy images and prompt-update records (vllm/_accel)
     processor_identity: bytes  # vLLM version, model, tokenizer, processor config: 16 bytes
     vocab_size: int  # token ids in a record are below it (0: unknown)
 
@@ -94,8 +93,7 @@ class Deployment(Shape):
             allow=tuple(p.strip() for p in env.get(ALLOW_ENV, "").split(":") if p.strip()),
             insecure=env_switch(INSECURE_ENV, False),
             metrics_multiprocess=bool(env.get(METRICS_DIR_ENV)),
-            lazy_images=env_switch(LAZY_IMAGES_ENV, True),
-            share_updates=env_switch(SHARE_UPDATES_ENV, True),
+            accelerate=_accelerate(),
             processor_identity=_processor_identity(vllm_config.model_config, mm),
             vocab_size=_vocab_size(vllm_config.model_config))
 
@@ -107,6 +105,20 @@ class Deployment(Shape):
             log.warning("shmstore: vLLM's processor-only cache stays (%s)", self.unservable)
             return False
         return True
+
+
+def _accelerate() -> bool:
+    """The acceleration's switch; a switch it replaced that is set is still obeyed (its 0
+    turns the whole acceleration off) and named in a warning."""
+    on = env_switch(ACCELERATE_ENV, True)
+    for old in REPLACED_ENV:
+        if old in os.environ:
+            old_on = env_switch(old, True)
+            log.warning("shmstore: %s is replaced by %s, which turns lazy images and "
+                        "prompt-update records on or off together; %s", old, ACCELERATE_ENV,
+                        "ignored (on)" if old_on else "its 0 turns both off")
+            on = on and old_on
+    return on
 
 
 def _processor_identity(model: Any, mm: Any) -> bytes:

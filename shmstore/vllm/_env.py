@@ -13,5 +13,6 @@ ALLOW_ENV = "SHMSTORE_VLLM_ALLOW"  # head: relays' public key files, separated b
 INSECURE_ENV = "SHMSTORE_VLLM_INSECURE"  # head: 1 to publish over plain TCP (no keys)
 WAIT_ENV = "SHMSTORE_VLLM_WAIT_S"  # node k worker: longest wait for an item's handle
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: /metrics from files
-LAZY_IMAGES_ENV = "SHMSTORE_VLLM_LAZY_IMAGES"  # 0/1 (default 1): a hit never decodes its image
-SHARE_UPDATES_ENV = "SHMSTORE_VLLM_SHARE_UPDATES"  # 0/1 (default 1): prompt-update records
+ACCELERATE_ENV = "SHMSTORE_VLLM_ACCELERATE"  # 0/1 (default 1): lazy images and records (_accel)
+# the switches ACCELERATE_ENV replaced: still read (0 turns the acceleration off), with a warning
+REPLACED_ENV = ("SHMSTORE_VLLM_LAZY_IMAGES", "SHMSTORE_VLLM_SHARE_UPDATES")

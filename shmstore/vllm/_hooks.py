@@ -11,11 +11,11 @@ from typing import Any
 
 from ..serving._requests import RequestLedger, numbers_in
 from . import _scope
+from ._accel import pending, realize
 from ._env import LEASE_ENV, LOG_NAME
-from ._images import pending, realize, unrealized
 from ._items import handout_number
 from ._receiver import ShmstoreReceiverCache
-from ._sender import SENDERS, ShmstoreSenderCache
+from ._sender import SENDERS, Processing, ShmstoreSenderCache
 from ._vllm import (
     feature_data,
     install_hooks,
@@ -135,12 +135,11 @@ def apply_mm_cache(original: Any) -> Any:
 def render_async(original: Any) -> Any:
     @functools.wraps(original)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # the list lives as long as the server's task for this request (its context):
-        # what it lists and no request claimed by then was never sent
-        scope = _scope.rendering()
-        rendered = scope.rendered
-        assert rendered is not None  # a server task's scope has one
-        weakref.finalize(scope, _render_ended, rendered)
+        # held as long as the server's task for this request (its context): what it lists
+        # and no request claimed by then was never sent
+        held = _scope.rendering()
+        rendered = held.numbers
+        weakref.finalize(held, _render_ended, rendered)
         try:
             return await original(*args, **kwargs)
         except BaseException:  # refused while rendering: never sent
@@ -156,9 +155,9 @@ def process_tokens_async(original: Any) -> Any:
     @functools.wraps(original)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         engine_input = await original(*args, **kwargs)
-        scope = _scope.current()
-        if scope is not None and scope.rendered is not None and SENDERS:
-            scope.rendered.extend(numbers_in(engine_input, handout_number))
+        held = _scope.rendered()
+        if held is not None and SENDERS:
+            held.numbers.extend(numbers_in(engine_input, handout_number))
         return engine_input
     return wrapper
 
@@ -181,10 +180,8 @@ def cached_apply(original: Any) -> Any:
         cache, mm_kwargs, items = processor_inputs(inputs)
         if not isinstance(cache, ShmstoreSenderCache):
             return original(self, inputs, *args, **kwargs)
-        with cache.processing(mm_kwargs) as scope:
-            result = original(self, inputs, *args, **kwargs)
-            scope.undecoded = unrealized(items)
-            return result
+        with cache.processing(inputs, mm_kwargs, items) as scoped:
+            return original(self, scoped, *args, **kwargs)
     return wrapper
 
 
@@ -194,14 +191,18 @@ def missing_items(original: Any) -> Any:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         # the sender's is_cached decodes the misses' lazy images (vLLM's decode, its own
-        # errors) before this step reads them for the processor
+        # errors) before this step reads them for the processor; a cache that is not the
+        # sender's view of one request's processing cannot: every lazy image is decoded
         call = signature.bind(self, *args, **kwargs).arguments
-        with _scope.within() as scope:
-            scope.pending = pending(call.get("mm_data_items"), call.get("mm_hashes"))
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                scope.pending = {}
+        items, view = call.get("mm_data_items"), call.get("cache")
+        if not isinstance(view, Processing):
+            realize(items)
+            return original(self, *args, **kwargs)
+        view.scope.pending = pending(items, call.get("mm_hashes"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            view.scope.pending = {}
     return wrapper
 
 

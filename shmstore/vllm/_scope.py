@@ -1,85 +1,62 @@
-"""A request, as one object per context: what the hooks learn about it and the sender needs.
+"""A request as vLLM meets it in two contexts, and what each holds.
 
-vLLM meets a request in two contexts, and each holds its own RequestScope as the current one
-(one ContextVar; the sender's calls take no argument of ours, so they find it there):
+    processing     vLLM processes a request's items (its processor's cached path): the
+                   processor hook opens a RequestScope and passes it on explicitly, inside the
+                   sender view it puts in vLLM's ProcessorInputs in place of the sender
+                   (vllm/_sender.py `Processing`); every cache call of that processing carries
+                   it to the sender: the fingerprint records are written and read with, the
+                   request's lazy images not decoded yet (`pending`)
+    the server's   render_async (the server's task for one request) keeps the hand-outs
+    task           rendered for it (`rendering`); the task's context holds them (one
+                   ContextVar: vLLM's _process_tokens_async, where the hand-outs appear, is
+                   called inside the task and takes no argument of ours), and the ledger
+                   learns of those no request claimed when the task ends
 
-    the server's task   render_async opens a scope for the task that renders the request
-                        (`rendering`): the hand-outs rendered for it (`rendered`), which the
-                        ledger learns of when the task's scope goes, unless a request claimed
-                        them
-    the processing      the processor's cached path (`cached_apply`, where the processor hook
-                        opens a scope, `opened`) asks the cache which items are cached
-                        (`missing_items`, where the hook lists the request's lazy images in
-                        the scope) and stores and hands out the misses, on one thread: the
-                        records' `fingerprint`, the `pending` images, how many stayed
-                        `undecoded`
-
-vLLM runs the processing on a thread of its own, which does not share the task's context, so
-the two are two objects; a processing scope opened inside a task's ends with its block and
-the task's is current again. Outside both (a processor path without the cache) nothing is
+vLLM runs the processing on a thread of its own, which does not share the task's context: the
+two are separate objects. Outside both (a processor path without the cache) nothing is
 fingerprinted, pending or rendered.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["RequestScope", "current", "opened", "within", "rendering"]
+__all__ = ["RequestScope", "Rendered", "rendering", "rendered"]
 
 
 class RequestScope:
-    """`fingerprint`: what records are written and read with (None: no records); `pending`:
-    the request's lazy images not decoded yet, by item hash (vllm/_images.py); `undecoded`:
-    how many of its images were never decoded (set when processing ends); `rendered`: the
-    hand-out numbers rendered in a server task's scope (None in a processing scope)."""
+    """One request's processing: `fingerprint`, what records are written and read with (None:
+    no records); `pending`, its lazy images not decoded yet, by item hash (vllm/_accel)."""
 
-    __slots__ = ("__weakref__", "fingerprint", "pending", "rendered", "undecoded")
+    __slots__ = ("fingerprint", "pending")
 
-    def __init__(self, fingerprint: bytes | None = None,
-                 rendered: list[int] | None = None) -> None:
+    def __init__(self, fingerprint: bytes | None = None) -> None:
         self.fingerprint = fingerprint
         self.pending: dict[str, list[Any]] = {}
-        self.undecoded = 0
-        self.rendered = rendered
 
 
-_SCOPE: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar(
-    "shmstore_request_scope", default=None)
+class Rendered:
+    """The hand-out numbers rendered in one server task (`numbers`)."""
+
+    __slots__ = ("__weakref__", "numbers")
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
 
 
-def current() -> RequestScope | None:
-    """The scope of the request being processed in this context, None outside one."""
-    return _SCOPE.get()
+_RENDERED: contextvars.ContextVar[Rendered | None] = contextvars.ContextVar(
+    "shmstore_rendered", default=None)
 
 
-def rendering() -> RequestScope:
-    """A new scope for the server task running now, current for the rest of the task (its
-    context ends with it): the hand-outs rendered for its request go in `rendered`."""
-    scope = RequestScope(rendered=[])
-    _SCOPE.set(scope)
-    return scope
+def rendering() -> Rendered:
+    """A new Rendered for the server task running now, held for the rest of the task (its
+    context ends with it)."""
+    held = Rendered()
+    _RENDERED.set(held)
+    return held
 
 
-@contextmanager
-def opened(fingerprint: bytes | None) -> Iterator[RequestScope]:
-    """A new scope, current for the block (nested scopes end in reverse order)."""
-    scope = RequestScope(fingerprint)
-    token = _SCOPE.set(scope)
-    try:
-        yield scope
-    finally:
-        _SCOPE.reset(token)
-
-
-@contextmanager
-def within() -> Iterator[RequestScope]:
-    """The current scope, or a new one (no fingerprint) for the block."""
-    scope = _SCOPE.get()
-    if scope is not None:
-        yield scope
-        return
-    with opened(None) as scope:
-        yield scope
+def rendered() -> Rendered | None:
+    """The Rendered of the server task running now; None outside one."""
+    return _RENDERED.get()

@@ -4,7 +4,7 @@ Sender (API process, "P0"), one per engine::
 
     is_cached(hs)              one round trip: the hits are handed out (pinned) and, for an
                                item another API server processed, its prompt-update record
-                               read from the store (_records.py): no HF processor here
+                               read from the store (vllm/_accel): no HF processor here
     is_cached_item(h)          store.is_cached: no side effect
     touch_sender_cache_item(h) a cached item is handed out now and the hand-out kept: it cannot
                                be evicted until get_and_update_item uses it or
@@ -16,6 +16,10 @@ Sender (API process, "P0"), one per engine::
     validate_input_item        a handle item from a client must be this store's current handle
                                for that hash (ValueError otherwise)
     clear_cache                store.clear(): every earlier handle is stale
+
+While vLLM processes one request, its processor calls these through `Processing`, the view the
+processor hook passes in vLLM's ProcessorInputs in place of the sender: each call carries the
+request's scope (vllm/_scope.py) to the sender explicitly.
 """
 
 from __future__ import annotations
@@ -32,25 +36,19 @@ from ..serving._deployment import open_writer
 from ..serving._nodes import HeadPublisher
 from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
-from . import _images, _scope
+from ._accel import RECORD_FIELD, Acceleration, realize_misses
 from ._deployment import Deployment
 from ._env import LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
-from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
-from ._vllm import (
-    BaseMultiModalProcessorCache,
-    CacheInfo,
-    MultiModalCacheMissError,
-    kwargs_digest,
-)
+from ._scope import RequestScope
+from ._vllm import BaseMultiModalProcessorCache, CacheInfo, MultiModalCacheMissError, with_cache
 
-__all__ = ["ShmstoreSenderCache", "SENDERS"]
+__all__ = ["ShmstoreSenderCache", "Processing", "SENDERS"]
 
 log = logging.getLogger(LOG_NAME)
 
 PRUNE_UPDATES = 64  # prompt updates kept beyond twice those of cached items before a prune
 SENDERS: list[ShmstoreSenderCache] = []  # this process's senders, for vLLM's request hooks
-REFUSALS = ("missing", "version", "fingerprint", "damaged")  # RecordRefused.reason
 
 
 class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
@@ -76,9 +74,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self.ledger = self._core.ledger
         self.items = self._core.items
         self.segment, self.api_server = d.name, d.api_rank
-        self.skipped = dict.fromkeys(("decode", "processor"), 0)
-        self.refused = dict.fromkeys(REFUSALS, 0)
-        self.lazy_images = d.lazy_images and _images.install()
+        self.accel = Acceleration(d.accelerate, d.processor_identity, d.vocab_size,
+                                  self.ledger.lock)
         self._unregister_metrics = _export_metrics(self)
         SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
@@ -108,50 +105,37 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         return None if head is None else head.publisher
 
     @contextmanager
-    def processing(self, hf_processor_mm_kwargs: Any) -> Iterator[_scope.RequestScope]:
-        """vLLM processes a request with these kwargs in this block (the processor hook): a
-        request scope (vllm/_scope.py), current for the block, with the fingerprint records
-        are written and read with."""
-        fingerprint = None
-        if self.deployment.share_updates:
-            try:
-                fingerprint = blake3_16(self.deployment.processor_identity
-                                        + kwargs_digest(hf_processor_mm_kwargs or {}))
-            except Exception as exc:  # kwargs vLLM's hasher cannot take: nothing shared
-                log.debug("shmstore: no prompt-update records for kwargs (%s)", exc)
-        with _scope.opened(fingerprint) as scope:
-            yield scope
-        with self.ledger.lock:
-            self.skipped["decode"] += scope.undecoded
+    def processing(self, inputs: Any, hf_processor_mm_kwargs: Any, items: Any
+                   ) -> Iterator[Any]:
+        """vLLM processes one request in this block (the processor hook): `inputs` (vLLM's
+        ProcessorInputs) again, with this sender in a `Processing` view that carries the
+        request's scope (the fingerprint of these kwargs) to every cache call."""
+        scope = RequestScope(self.accel.fingerprint(hf_processor_mm_kwargs))
+        yield with_cache(inputs, Processing(self, scope))
+        self.accel.processed(items)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
         with self._lock:
             return mm_hash in self._updates and self._store.cached([mm_hash])[0]
 
-    def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+    def is_cached(self, mm_hashes: list[str], scope: RequestScope | None = None) -> list[bool]:
         """vLLM asks this before processing a request's misses, and touches its hits after:
         take the hits' hand-outs now, in one call (one round trip through another API
         server's host), so they are pinned from here on and the touches cost nothing. Hand-outs
-        a request never uses (its processing failed) go back at the next release."""
-        scope = _scope.current()
+        a request never uses (its processing failed) go back at the next release. With the
+        request's `scope`: a hit another API server processed is used through its record,
+        and the misses' lazy images are decoded before this returns."""
         fingerprint = None if scope is None else scope.fingerprint
 
         def accept(mm_hash: str, hit: HandOut) -> bool:
             if mm_hash in self._updates:
                 return True
             assert fingerprint is not None  # only then is an unseen hash asked for
-            try:
-                self._updates[mm_hash] = read(hit.record, fingerprint, self.deployment.vocab_size)
-            except Exception as exc:  # today's path: the processor runs here
-                reason = exc.reason if isinstance(exc, RecordRefused) else "damaged"
-                (log.debug if isinstance(exc, RecordRefused) else log.warning)(
-                    "shmstore: record of %s refused (%s)", mm_hash, exc)
-                with self.ledger.lock:
-                    self.refused[reason] += 1
+            updates = self.accel.updates(mm_hash, hit.record, fingerprint)
+            if updates is None:  # the processor runs here, as in vLLM alone
                 return False
-            with self.ledger.lock:
-                self.skipped["processor"] += 1
+            self._updates[mm_hash] = updates
             return True
 
         with self._lock:
@@ -160,7 +144,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                              None if fingerprint is None else RECORD_FIELD, accept)
             cached = [h in self._core.touched for h in mm_hashes]
         if scope is not None:  # vLLM reads the misses' pixels next
-            _images.realize_misses(scope.pending, mm_hashes, cached)
+            realize_misses(scope.pending, mm_hashes, cached)
         return cached
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
@@ -171,11 +155,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def release_sender_touches(self) -> None:
         self._core.release()
 
-    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+    def get_and_update_item(self, mm_item: Any, mm_hash: str,
+                            scope: RequestScope | None = None) -> tuple[Any, Sequence[Any]]:
         with self._lock:
-            return self._get_and_update_item(mm_item, mm_hash)
+            return self._get_and_update_item(mm_item, mm_hash, scope)
 
-    def _get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+    def _get_and_update_item(self, mm_item: Any, mm_hash: str,
+                             scope: RequestScope | None) -> tuple[Any, Sequence[Any]]:
         self._total += 1
         core = self._core
         handout = core.hit(mm_hash, cached_here=mm_hash in self._updates)
@@ -187,9 +173,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             raise MultiModalCacheMissError([mm_hash])
         item, prompt_updates = mm_item
         value = item_to_value(item)
-        scope = _scope.current()
-        fingerprint = None if scope is None else scope.fingerprint
-        record = None if fingerprint is None else write(prompt_updates, fingerprint)
+        record = self.accel.record(prompt_updates, None if scope is None else scope.fingerprint)
         if record is not None:
             value[RECORD_FIELD] = record
         try:
@@ -252,6 +236,25 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             self._writers.close()
 
 
+class Processing:
+    """The sender as vLLM's processor sees it while it processes one request: the calls vLLM's
+    cached path makes, each carrying the request's `scope` to the sender; anything else is the
+    sender's own."""
+
+    __slots__ = ("scope", "sender")
+
+    def __init__(self, sender: ShmstoreSenderCache, scope: RequestScope) -> None:
+        self.sender, self.scope = sender, scope
+
+    def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        return self.sender.is_cached(mm_hashes, self.scope)
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> tuple[Any, Sequence[Any]]:
+        return self.sender.get_and_update_item(mm_item, mm_hash, self.scope)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sender, name)
+
 
 class _SenderCollector:
     """One API server's own counters (prometheus_client collector), labelled by segment and
@@ -267,7 +270,7 @@ class _SenderCollector:
         labels = [sender.segment, str(sender.api_server)]
         with sender.ledger.lock:
             items, settled = dict(sender.items), dict(sender.ledger.settled)
-            skipped, refused = dict(sender.skipped), dict(sender.refused)
+            skipped, refused = dict(sender.accel.skipped), dict(sender.accel.refused)
         for name, doc, label, values in (
                 ("shmstore_vllm_items", "Items by outcome: hit (stored, prompt updates here), "
                  "shared (processed here, stored already: no second copy), stored, inline",
@@ -327,8 +330,3 @@ def _head(make_channel: Any, d: Deployment) -> HeadPublisher:
             "(see the README), or use --mm-processor-cache-type lru", PUBLISH_ENV, None)
     return HeadPublisher(make_channel, d)
 
-
-def blake3_16(data: bytes) -> bytes:
-    import blake3
-
-    return blake3.blake3(data).digest()[:FINGERPRINT_BYTES]

@@ -33,6 +33,7 @@ method (_sender.py or _receiver.py); a change of an item's shape, this module an
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import logging
@@ -77,8 +78,8 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
            "open_image", "install_image_loader", "max_image_pixels", "run_cli",
            "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "request_id_of",
-           "feature_data", "features_with_data", "new_requests", "resolve_new_request", "receiver_cache",
-           "processor_inputs", "items_data"]
+           "feature_data", "features_with_data", "new_requests", "resolve_new_request",
+           "receiver_cache", "processor_inputs", "with_cache", "items_data"]
 
 log = logging.getLogger(LOG_NAME)
 
@@ -189,11 +190,18 @@ def processor_inputs(inputs: Any) -> tuple[Any, Any, Any]:
             getattr(inputs, "mm_data_items", None))
 
 
+def with_cache(inputs: Any, cache: Any) -> Any:
+    """A copy of a ProcessorInputs whose cache is `cache` (the original is left as it is)."""
+    out = copy.copy(inputs)
+    out.cache = cache
+    return out
+
+
 def items_data(modality_items: Any) -> Any:
     """The data of one modality's ModalityDataItems (a list of media), None if there are none."""
     return getattr(modality_items, "data", None)
 # the hooks without which images stay eager (a lazy image must be decoded by vLLM's own code)
-IMAGE_HOOKS = ("missing_items", "uncached_apply")
+IMAGE_HOOKS = ("cached_apply", "missing_items", "uncached_apply")
 
 # the code objects of the closures vLLM's factories make: a resolved prompt update whose
 # closures have these codes was made by these factories, and calling them again rebuilds it

@@ -14,10 +14,11 @@ cache type is left to vLLM. Environment:
     VLLM_OBJECT_STORAGE_SHM_POLICY      a name of store._policy.POLICIES (default: DEFAULT_POLICY,
                                         adaptive): the store's policy
     VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME vLLM's: the shared-memory name (kept)
-    SHMSTORE_VLLM_LAZY_IMAGES=0         decode every image as it arrives (default: JPEGs only
-                                        on a miss)
-    SHMSTORE_VLLM_SHARE_UPDATES=0       no prompt-update records (default: stored beside
-                                        each item, so any API server's hit skips the processor)
+    SHMSTORE_VLLM_ACCELERATE=0          no acceleration (_accel): every image decoded as it
+                                        arrives and no prompt-update records, as in vLLM
+                                        alone (default: JPEGs decoded on a miss only, and a
+                                        record beside each item, so any API server's hit
+                                        skips the processor)
 
 vLLM's own settings keep their meaning: `mm_processor_cache_gb` is the store's capacity,
 `mm_shm_cache_max_object_size_mb` its largest object.

@@ -12,7 +12,7 @@ import pytest
 import shmstore
 
 WING = Path(shmstore.__file__).parent / "vllm"
-MODULES = sorted(WING.glob("*.py"))
+MODULES = sorted(WING.rglob("*.py"))  # the acceleration room (_accel/) too
 
 
 def tree(path: Path) -> ast.Module:
@@ -46,7 +46,7 @@ def reads_config_or_environment(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(WING).as_posix())
 def test_only_the_door_names_vllm(path: Path) -> None:
     if path.name == "_vllm.py":
         assert names_vllm(path), "the door names what it takes from vLLM"
@@ -54,7 +54,7 @@ def test_only_the_door_names_vllm(path: Path) -> None:
     assert not names_vllm(path), f"{path.name} names vLLM's API: go through _vllm.py"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(WING).as_posix())
 def test_only_the_deployment_reads_vllms_configuration_and_the_environment(path: Path) -> None:
     found = reads_config_or_environment(path)
     if path.name == "_deployment.py":
@@ -66,7 +66,7 @@ def test_only_the_deployment_reads_vllms_configuration_and_the_environment(path:
     assert not found, f"{path.name} reads vLLM's configuration or the environment: {found}"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(WING).as_posix())
 def test_environment_variables_are_named_once_and_no_writer_kind_is_asked(path: Path) -> None:
     for node in ast.walk(tree(path)):
         if path.name != "_env.py" and isinstance(node, ast.Assign):
@@ -124,6 +124,55 @@ def test_a_bad_environment_value_is_refused_when_the_deployment_is_read(monkeypa
         Deployment.read(config("x"))
 
 
+@pytest.mark.parametrize(("env", "on", "warned"), [
+    ({}, True, []),
+    ({"SHMSTORE_VLLM_ACCELERATE": "0"}, False, []),
+    ({"SHMSTORE_VLLM_ACCELERATE": "off", "SHMSTORE_VLLM_LAZY_IMAGES": "1"}, False,
+     ["SHMSTORE_VLLM_LAZY_IMAGES"]),
+    ({"SHMSTORE_VLLM_LAZY_IMAGES": "0"}, False, ["SHMSTORE_VLLM_LAZY_IMAGES"]),
+    ({"SHMSTORE_VLLM_SHARE_UPDATES": "0", "SHMSTORE_VLLM_LAZY_IMAGES": "yes"}, False,
+     ["SHMSTORE_VLLM_LAZY_IMAGES", "SHMSTORE_VLLM_SHARE_UPDATES"]),
+    ({"SHMSTORE_VLLM_SHARE_UPDATES": "1"}, True, ["SHMSTORE_VLLM_SHARE_UPDATES"]),
+])
+def test_one_switch_turns_the_acceleration_on_or_off(env: dict, on: bool, warned: list,
+                                                     monkeypatch, caplog) -> None:
+    """SHMSTORE_VLLM_ACCELERATE, and the two switches it replaced: still obeyed (a 0 turns
+    the whole acceleration off), each named in a warning that says what replaces it."""
+    pytest.importorskip("vllm")
+    from shmstore.vllm._accel import Acceleration
+    from shmstore.vllm._deployment import Deployment
+    from tests.vllm.test_vllm_plugin import config
+
+    for name in ("SHMSTORE_VLLM_ACCELERATE", "SHMSTORE_VLLM_LAZY_IMAGES",
+                 "SHMSTORE_VLLM_SHARE_UPDATES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING", logger="vllm.plugins.shmstore"):
+        d = Deployment.read(config("x"))
+    assert d.accelerate is on
+    said = [r.getMessage() for r in caplog.records if "is replaced by" in r.getMessage()]
+    assert [m.split()[1] for m in said] == warned
+    assert all("SHMSTORE_VLLM_ACCELERATE" in m for m in said)
+    if not on:  # off: no fingerprint, so no record is written or read, and no lazy image
+        import threading
+
+        accel = Acceleration(d.accelerate, d.processor_identity, d.vocab_size, threading.Lock())
+        assert accel.fingerprint({"size": 336}) is None and not accel.lazy_images
+        assert accel.record(["any"], None) is None
+
+
+def test_a_bad_acceleration_switch_is_refused(monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from shmstore.errors import InvalidArgument
+    from shmstore.vllm._deployment import Deployment
+    from tests.vllm.test_vllm_plugin import config
+
+    monkeypatch.setenv("SHMSTORE_VLLM_LAZY_IMAGES", "maybe")
+    with pytest.raises(InvalidArgument, match="SHMSTORE_VLLM_LAZY_IMAGES"):
+        Deployment.read(config("x"))
+
+
 def _declared_shapes() -> tuple[set[str], set[str]]:
     """The attribute names of _vllm.py's SHAPES and ITEM_SHAPES, read without importing vLLM."""
     found: dict[str, set[str]] = {}
@@ -148,7 +197,7 @@ def reads_attributes(path: Path, names: set[str]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(WING).as_posix())
 def test_only_the_door_reads_vllms_objects_and_only_items_their_fields(path: Path) -> None:
     """Every attribute the plugin reads on a vLLM object is listed in the door (SHAPES) and
     read there; an item's fields (ITEM_SHAPES) are read there or in _items.py only."""

@@ -21,7 +21,8 @@ from vllm.multimodal.media.connector import MediaConnector
 from vllm.multimodal.media.image import ImageMediaIO
 
 from shmstore.vllm import _hooks, _scope
-from shmstore.vllm._images import LazyImage, lazy_loader, realize_misses, unrealized
+from shmstore.vllm._accel._images import LazyImage, lazy_loader, realize_misses, unrealized
+from shmstore.vllm._sender import Processing
 
 EAGER = ImageMediaIO.load_bytes
 if getattr(EAGER, "_shmstore_hook", False):  # another test installed it: vLLM's is wrapped
@@ -135,31 +136,33 @@ def items(*media: Any) -> dict[str, Any]:
 
 def test_the_processor_hooks_decode_the_misses_and_count_the_rest() -> None:
     """vLLM's step that finds the cached items asks the cache, then reads the misses: the
-    hook lists the request's lazy images, and is_cached's answer decodes the misses'."""
+    hook lists the request's lazy images in the scope the sender's view carries, and
+    is_cached's answer decodes the misses'. A cache that is not such a view decodes them all."""
     hooks = _hooks.wrappers()
     hit, miss, png = (LAZY(ImageMediaIO(), CASES["jpeg"]), LAZY(ImageMediaIO(), CASES["jpeg-3mp"]),
                       LAZY(ImageMediaIO(), CASES["png"]))
     seen = []
+    view = Processing(SimpleNamespace(), _scope.RequestScope())  # the processor hook's
 
     def find_missing(self: Any, cache: Any, mm_data_items: Any, mm_hashes: Any) -> Any:
         cached = [h == "hit" for h in mm_hashes["image"]]
-        scope = _scope.current()  # the step's, opened by the hook
-        assert scope is not None
-        realize_misses(scope.pending, mm_hashes["image"], cached)  # as is_cached does
+        if isinstance(cache, Processing):
+            realize_misses(cache.scope.pending, mm_hashes["image"], cached)  # as is_cached does
         seen.append([getattr(d, "realized", None) for d in mm_data_items["image"].data])
         return cached, "missing"
 
     step = hooks["missing_items"](find_missing)
-    assert step(None, cache=None, mm_data_items=items(hit, miss, png),
+    assert step(None, cache=view, mm_data_items=items(hit, miss, png),
                 mm_hashes={"image": ["hit", "miss", "png"]}) == ([True, False, False], "missing")
     assert seen == [[False, True, None]] and not hit.realized  # the hit never decoded
     assert unrealized(items(hit, miss, png)) == 1
-    assert _scope.current() is None  # the step's scope ended with it: nothing pending after
-    assert not hit.realized
+    assert view.scope.pending == {}  # nothing pending after the step
     uncached = hooks["uncached_apply"](lambda self, inputs: "processed")
     assert uncached(None, SimpleNamespace(mm_data_items=items(hit))) == "processed"
     assert hit.realized
+    other = LAZY(ImageMediaIO(), CASES["jpeg"])
+    step(None, cache=None, mm_data_items=items(other), mm_hashes={"image": ["hit"]})
+    assert seen[-1] == [True]  # not the sender's view: decoded before the step reads it
     broken = LAZY(ImageMediaIO(), CASES["truncated-jpeg"])
-    step = hooks["missing_items"](find_missing)
     with pytest.raises(ValueError, match="Failed to load image"):
-        step(None, None, items(broken), {"image": ["broken"]})
+        step(None, view, items(broken), {"image": ["broken"]})

@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 from PIL import Image
 from vllm.multimodal.media.image import ImageMediaIO
 
+from shmstore.vllm._accel import LazyImage
 from shmstore.vllm._hooks import install_request_hooks
-from shmstore.vllm._images import LazyImage
 from tests.vllm import test_vllm_shared as shared
 from tests.vllm.tiny_llava import build
 
@@ -81,7 +81,7 @@ def counted(processor: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_another_api_servers_item_needs_no_processor_and_no_decode(
         processor: Any, node: Any, counted: list[int]) -> None:
     (first, second), _ = node
-    assert first.lazy_images and second.lazy_images
+    assert first.accel.lazy_images and second.accel.lazy_images
     for seed in range(4):
         data = jpeg(seed)
         ids, places, _, _ = run(processor, data, None, counted)  # vLLM alone, no cache
@@ -94,8 +94,8 @@ def test_another_api_servers_item_needs_no_processor_and_no_decode(
         assert isinstance(got_second[2], LazyImage) and not got_second[2].realized
         again = run(processor, data, first, counted)  # a plain hit on API server 0
         assert again[:2] == (ids, places) and again[3] == 0 and not again[2].realized
-    assert second.skipped == {"decode": 4, "processor": 4}
-    assert first.skipped == {"decode": 4, "processor": 0}
+    assert second.accel.skipped == {"decode": 4, "processor": 4}
+    assert first.accel.skipped == {"decode": 4, "processor": 0}
     assert first.store.stats().puts == 4 and second.items["shared"] == 0
 
 

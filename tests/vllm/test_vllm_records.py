@@ -5,6 +5,9 @@ A record that is missing, damaged, forged or made for other kwargs must never be
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -22,10 +25,10 @@ from vllm.multimodal.processing.processor import (  # noqa: E402
     ResolvedPromptUpdate,
 )
 
-from shmstore.vllm import _records  # noqa: E402
+from shmstore.vllm._accel import _records  # noqa: E402
+from shmstore.vllm._accel._records import RECORD_FIELD, RecordRefused  # noqa: E402
 from shmstore.vllm._items import handout_from_item, item_to_value  # noqa: E402
-from shmstore.vllm._records import RECORD_FIELD, RecordRefused  # noqa: E402
-from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
+from shmstore.vllm._sender import Processing, ShmstoreSenderCache  # noqa: E402
 from tests.vllm import test_vllm_shared as shared  # noqa: E402
 from tests.vllm.test_vllm_plugin import image_item, same_item  # noqa: E402
 
@@ -154,40 +157,46 @@ def test_every_byte_of_a_record_damaged_in_the_store_falls_back(node: Any) -> No
     (first, second), receivers = node
     updates = families()["llava"]
     try:
-        with first.processing({}):  # the request's scope: second's calls below run in it too
-            first.get_and_update_item((image_item(3), updates), "h3")
-            record = _records.write(updates, _fingerprint(first))
+        with processing(first, {}) as p1, processing(second, {}) as p2:
+            p1.get_and_update_item((image_item(3), updates), "h3")
+            record = _records.write(updates, _fingerprint(p1))
             entry = first.store._index.by_key["h3"]
             body = first.store._writer_ring.payload(entry.chunk)[first.store._header_bytes:]
             assert record is not None
             at = bytes(body[:4096]).index(record)
             for i in range(len(record)):
                 body[at + i] ^= 0x41
-                assert second.is_cached(["h3"]) == [False]
+                assert p2.is_cached(["h3"]) == [False]
                 body[at + i] ^= 0x41
-            assert second.is_cached(["h3"]) == [True]  # intact again: a hit
+            assert p2.is_cached(["h3"]) == [True]  # intact again: a hit
     finally:
         second.release_sender_touches()
 
 
-def _fingerprint(sender: ShmstoreSenderCache) -> bytes:
-    """The fingerprint of the request scope open now (inside `processing`)."""
-    from shmstore.vllm import _scope
+@contextmanager
+def processing(sender: ShmstoreSenderCache, kwargs: dict[str, Any]) -> Iterator[Processing]:
+    """The sender as vLLM's processor sees it in one request's processing with `kwargs` (what
+    the processor hook passes in the request's ProcessorInputs)."""
+    with sender.processing(SimpleNamespace(cache=sender), kwargs, None) as inputs:
+        assert isinstance(inputs.cache, Processing) and inputs.cache.sender is sender
+        yield inputs.cache
 
-    scope = _scope.current()
-    assert scope is not None and scope.fingerprint is not None
-    return scope.fingerprint
+
+def _fingerprint(view: Processing) -> bytes:
+    """The fingerprint of a request's processing scope."""
+    assert view.scope.fingerprint is not None
+    return view.scope.fingerprint
 
 
 def test_another_api_servers_item_is_a_hit_without_the_processor(node: Any) -> None:
     (first, second), receivers = node
     updates = families()["llava-next"]
-    with first.processing({"size": 336}), second.processing({"size": 336}):
-        out, kept = first.get_and_update_item((image_item(1), updates), "h1")  # processed
+    with processing(first, {"size": 336}) as p1, processing(second, {"size": 336}) as p2:
+        out, kept = p1.get_and_update_item((image_item(1), updates), "h1")  # processed
         assert kept is updates
-        assert second.is_cached(["h1", "nope"]) == [True, False]  # no updates there before
-        assert second.skipped["processor"] == 1
-        hit, rebuilt = second.get_and_update_item(None, "h1")  # vLLM's hit: no data
+        assert p2.is_cached(["h1", "nope"]) == [True, False]  # no updates there before
+        assert second.accel.skipped["processor"] == 1
+        hit, rebuilt = p2.get_and_update_item(None, "h1")  # vLLM's hit: no data
         assert all(behaves_alike(a, b) for a, b in zip(updates, rebuilt, strict=True))
         assert handout_from_item(hit).handle == handout_from_item(out).handle
         assert first.store.stats().puts == 1 and second.items["hit"] == 1
@@ -200,38 +209,39 @@ def test_another_api_servers_item_is_a_hit_without_the_processor(node: Any) -> N
 def test_a_record_for_other_kwargs_or_forged_or_missing_is_refused_and_processed(
         node: Any) -> None:
     (first, second), receivers = node
-    with first.processing({"size": 336}):
-        first.get_and_update_item((image_item(2), families()["llava"]), "h2")
-        first.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")  # no record
+    with processing(first, {"size": 336}) as p1:
+        p1.get_and_update_item((image_item(2), families()["llava"]), "h2")
+        p1.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")  # no record
         value = item_to_value(image_item(5))
-        value[RECORD_FIELD] = msgpack.packb([1, _fingerprint(first), [
+        value[RECORD_FIELD] = msgpack.packb([1, _fingerprint(p1), [
             ["image", 0, "replace", [0, [1 << 31, 1]], [1, 1], None]]])  # a forged id
         first.store.give_back(first.store.put("h5", value))
-    with second.processing({"size": 672}):  # other kwargs, another fingerprint
+    with processing(second, {"size": 672}) as p2:  # other kwargs, another fingerprint
         handle = first.store.handle_of("h2")
-        assert second.is_cached(["h2"]) == [False]
+        assert p2.is_cached(["h2"]) == [False]
         assert second.store.unread(handle) == (1, 1)  # the peek's hand-out went back
     try:
-        with second.processing({"size": 336}):
-            assert second.is_cached(["h4", "h5", "h2"]) == [False, False, True]
-            assert second.refused == {"missing": 1, "version": 0, "fingerprint": 1,
-                                      "damaged": 1}
-            assert second.skipped["processor"] == 1
-            out, _ = second.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")
+        with processing(second, {"size": 336}) as p2:
+            assert p2.is_cached(["h4", "h5", "h2"]) == [False, False, True]
+            assert second.accel.refused == {"missing": 1, "version": 0, "fingerprint": 1,
+                                            "damaged": 1}
+            assert second.accel.skipped["processor"] == 1
+            out, _ = p2.get_and_update_item((image_item(4), ["not vLLM's"]), "h4")
             assert second.items["shared"] == 1  # processed here, the store's copy handed out
     finally:
         second.release_sender_touches()
 
 
 def test_without_a_processing_context_nothing_is_written_or_read(node: Any) -> None:
-    """Outside vLLM's cached processing (the hook did not run) no fingerprint is known."""
+    """Outside vLLM's cached processing (the hook did not run: the sender called directly)
+    no fingerprint is known."""
     (first, second), _ = node
     first.get_and_update_item((image_item(6), families()["llava"]), "h6")
     entry = first.store._index.by_key["h6"]
     body = bytes(first.store._writer_ring.payload(entry.chunk)[:4096])
     assert RECORD_FIELD.encode() not in body
-    with second.processing({}):
-        assert second.is_cached(["h6"]) == [False] and second.refused["missing"] == 1
+    with processing(second, {}) as p2:
+        assert p2.is_cached(["h6"]) == [False] and second.accel.refused["missing"] == 1
 
 
 def test_records_are_small() -> None:

@@ -28,8 +28,8 @@ from typing import Any
 
 import msgpack
 
-from ..handle import MAX_RECORD_BYTES
-from ._vllm import (
+from ...handle import MAX_RECORD_BYTES
+from .._vllm import (
     FACTORY_CODES,
     PromptIndexTargets,
     PromptUpdateDetails,

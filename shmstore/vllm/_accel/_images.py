@@ -22,7 +22,7 @@ import io
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._vllm import (
+from .._vllm import (
     MediaWithBytes,
     install_image_loader,
     items_data,
