@@ -65,13 +65,11 @@ def lru_tokens(model: Path) -> list[list[int]]:
     return report["tokens"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_shmstore_serves_vllms_shm_cache_with_identical_outputs(
-        model: Path, lru_tokens: list[list[int]], tp: int) -> None:
-    segment = new_name(f"vllm-tp{tp}")
-    report = run_engine(model, "shm", tp, segment)
+def served_identically(report: dict[str, Any], log: str, segment: str,
+                       lru_tokens: list[list[int]], tp: int) -> None:
+    """The six standard prompts (tests/vllm/vllm_engine_run.py) on a fresh engine at `tp`."""
     assert report["cache_class"] == "ShmstoreSenderCache"
-    assert f"shmstore serves vLLM's shm multimodal cache: segment {segment!r}" in report["log"]
+    assert f"shmstore serves vLLM's shm multimodal cache: segment {segment!r}" in log
     assert report["tokens"] == lru_tokens  # greedy: the same tokens as vLLM's own cache
     assert len({tuple(t) for t in lru_tokens}) == 3  # the images matter to the outputs
     # 3 images, each sent twice: stored once, then a hit; every rank read every hand-out
@@ -81,17 +79,27 @@ def test_shmstore_serves_vllms_shm_cache_with_identical_outputs(
     assert report["corrupt_reads"] == [0] * tp
     pids = report["reader_pids"]
     assert all(pids) and len(set(pids)) == tp  # each TP rank attached as its own reader
+
+
+def test_shmstore_serves_vllms_shm_cache_with_identical_outputs(
+        model: Path, lru_tokens: list[list[int]]) -> None:
+    """TP 1 here; TP 2 in the next test, whose engine runs the same prompts first."""
+    segment = new_name("vllm-tp1")
+    report = run_engine(model, "shm", 1, segment)
+    served_identically(report, report["log"], segment, lru_tokens, 1)
     assert not Path("/dev/shm", segment).exists()  # the engine's exit unlinked it
 
 
 def test_refused_and_aborted_requests_never_wedge_the_store_and_reset_keeps_requests_served(
         model: Path, lru_tokens: list[list[int]]) -> None:
-    """TP 2, a store of about six images: one request vLLM refuses after rendering and three
-    aborted before the engine steps, then rounds of new images; reset_mm_cache with six
-    requests queued (tests/vllm/vllm_requests_run.py)."""
+    """TP 2, a store of about six images: first the standard prompts, whose outputs equal
+    vLLM's own cache's; then one request vLLM refuses after rendering and three aborted before
+    the engine steps, then rounds of new images; reset_mm_cache with six requests queued
+    (tests/vllm/vllm_requests_run.py)."""
     segment = new_name("vllm-req")
     report = run_engine(model, "shm", 2, segment, runner=REQUESTS_RUNNER,
                         SHMSTORE_VLLM_SETTLE_S="1", RUN_WAIT_S="1.5")
+    served_identically(report["standard"], report["log"], segment, lru_tokens, 2)
     assert "longer than the maximum model length" in report["refused_error"]
     assert report["after_abuse"]["refused"] == 1  # given back at once
     # aborted hand-outs no worker read were withdrawn once the store needed the space, so

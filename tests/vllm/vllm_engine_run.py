@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,19 +41,24 @@ def headless(model: str, cache_type: str, tp: int, nodes: list[int]) -> None:
     executor.start_worker_monitor(inline=True)
 
 
-def main(model: str, cache_type: str, tp: int, nodes: list[int]) -> None:
+def standard_prompts() -> list[dict[str, object]]:
+    """Three images, each sent twice."""
     import numpy as np
     from PIL import Image
-    from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_args(model, cache_type, tp, nodes))
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
               for _ in range(3)]
-    prompts = [{"prompt": "USER: <image>\ndescribe the image ASSISTANT:",
-                "multi_modal_data": {"image": images[i % 3]}} for i in range(6)]
+    return [{"prompt": "USER: <image>\ndescribe the image ASSISTANT:",
+             "multi_modal_data": {"image": images[i % 3]}} for i in range(6)]
+
+
+def main(model: str, cache_type: str, tp: int, nodes: list[int]) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_args(model, cache_type, tp, nodes))
     started = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+    outputs = llm.generate(standard_prompts(), SamplingParams(temperature=0.0, max_tokens=8),
                            use_tqdm=False)
     seconds = time.perf_counter() - started
     cache = llm.llm_engine.renderer.mm_processor_cache
@@ -60,7 +66,14 @@ def main(model: str, cache_type: str, tp: int, nodes: list[int]) -> None:
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "seconds": seconds,
         "cache_class": type(cache).__name__,
+        **store_report(cache),
     }
+    print("REPORT " + json.dumps(report), flush=True)
+
+
+def store_report(cache: Any) -> dict[str, object]:
+    """What shmstore's store and vLLM's counters say now (nothing for vLLM's own caches)."""
+    report: dict[str, object] = {}
     store = getattr(cache, "store", None)
     if store is not None:
         stats = store.stats()
@@ -75,7 +88,7 @@ def main(model: str, cache_type: str, tp: int, nodes: list[int]) -> None:
             report.update(published=published.messages, nodes_joined=published.nodes_joined,
                           objects_sent=[n.objects_sent for n in published.nodes],
                           refs_sent=[n.refs_sent for n in published.nodes])
-    print("REPORT " + json.dumps(report), flush=True)
+    return report
 
 
 if __name__ == "__main__":

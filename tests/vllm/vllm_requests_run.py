@@ -3,6 +3,8 @@ requests that never reach a worker, and print what the tests check, as JSON.
 
     python tests/vllm/vllm_requests_run.py MODEL_DIR TP
 
+0. the six standard prompts of tests/vllm/vllm_engine_run.py on the fresh engine, reported as
+   that script reports them (`standard`): one engine start serves both scripts' checks at TP 2;
 1. refused: an image prompt longer than max_model_len once its image tokens are counted
    (vLLM refuses it after rendering, in process_inputs);
 2. aborted while queued: requests with new images added and aborted before the engine steps;
@@ -23,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.vllm.vllm_engine_run import engine_args
+from tests.vllm.vllm_engine_run import engine_args, standard_prompts, store_report
 
 PROMPT = "USER: <image>\ndescribe the image ASSISTANT:"
 
@@ -53,6 +55,11 @@ def main(model: str, tp: int) -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     report: dict[str, object] = {}
+    # 0. the standard prompts, as vllm_engine_run.py runs and reports them
+    started = time.perf_counter()
+    report["standard"] = {"tokens": generate(standard_prompts()),
+                          "seconds": time.perf_counter() - started,
+                          "cache_class": type(cache).__name__, **store_report(cache)}
     # 1. refused after rendering
     # long enough only with the image's 16 tokens: vLLM checks that after rendering
     tokenizer = llm.get_tokenizer()
@@ -81,10 +88,7 @@ def main(model: str, tp: int) -> None:
         inline.append(cache.inline_fallbacks - before)
     report["inline_per_round"] = inline
     # 4. reset under traffic
-    std_rng = np.random.default_rng(0)
-    images = [Image.fromarray(std_rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
-              for _ in range(3)]
-    standard = [prompt(images[i % 3]) for i in range(6)]
+    standard = standard_prompts()
     report["tokens"] = generate(standard)
     for i, p in enumerate(standard):
         engine.add_request(f"reset-{i}", p, greedy)
