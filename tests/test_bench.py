@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,11 @@ def test_bench_scrape_compares_stats_with_the_full_walk() -> None:
     assert "2,000 objects, 3 readers" in out
     for label in ("stats()", "walk of every object", "Prometheus scrape", "stats() / walk"):
         assert label in out, out
+    lagging = run_printing_script("bench_scrape.py", "--objects", "2000", "--readers", "3",
+                                  "--lagging")
+    assert "(the last stopped) and one never attached" in lagging, lagging
+    owed = re.search(r"reads owed: (\d+), (\d+), ([\d,]+), ([\d,]+)$", lagging, re.M)
+    assert owed, lagging  # the stopped reader and the one never attached owe every object
+    assert owed.group(3) == owed.group(4) and int(owed.group(3).replace(",", "")) >= 2_000
+    for label in ("nothing", "stats()", "the walk"):
+        assert re.search(rf"{re.escape(label)} +[\d.]+ / +[\d.]+ ms", lagging), lagging

@@ -5,7 +5,8 @@ loop, on one ring.
     _writer.py       StoreWriter: a facade over the parts below, which each own their state;
                      Lender: chunks lent to another process (WriterHost's alone)
     _index.py        the writer's records: Entry, by key and by chunk seq
-    _space.py        where the next object goes: reclaim, copy forward, wait for readers
+    _space.py        where the next object goes: reclaim, copy forward, wait for readers;
+                     what each reader owes, kept between scrapes (Scrape)
     _handouts.py     the hand-out sequence: give back, narrow, end, withdraw, hand out again
     _ledger.py       the writer's reading of the reader rows: reads owed, readers inside
     _base.py         what writer and readers share: StoreBase, StoreStats

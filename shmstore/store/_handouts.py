@@ -49,6 +49,7 @@ class HandOuts:
         self.give_backs += 1
         if number is None:
             number = entry.handouts[-1]
+        self._index.changing(entry)
         entry.narrowed.pop(number, None)
         entry.ended.discard(number)
         entry.handouts.remove(number)  # last: if this line ran, the give-back is done
@@ -63,9 +64,7 @@ class HandOuts:
         if number not in entry.handouts:
             raise StaleHandle(f"handle {handle} has no hand-out number {number} in store "
                               f"{self.name!r}", handle, self.name)
-        with self._index.lock:  # a scrape sees the new mask with the entry listed
-            # listed again: a scrape may have found the hand-out read by its old readers
-            # and unlisted the entry, and a wider mask can owe reads again
+        with self._index.lock:  # a scrape sees the new mask with the entry marked
             self._index.handed_out(entry)
             entry.narrowed[number] = mask
 
@@ -104,7 +103,7 @@ class HandOuts:
         """Renumber the last hand-out of `handle` as one made now; StoreWriter.hand_out_again says more."""
         entry = self._handed_out(handle)
         number = self.seq + 1
-        with self._index.lock:  # a scrape sees the new number with the entry listed
+        with self._index.lock:  # a scrape sees the new number with the entry marked
             self._index.handed_out(entry)
             entry.handouts[-1] = number  # one store: the kept hand-out becomes this one
         self._advance(number)
@@ -134,8 +133,8 @@ class HandOuts:
         """Hand `entry` out once (listed in `done`, which the caller undoes if it fails)."""
         number = self.seq + 1
         done.append((entry, number))
-        with self._index.lock:  # a scrape sees the new number with the entry listed
-            self._index.handed_out(entry)  # first: listed in vain costs a scrape one look
+        with self._index.lock:  # a scrape sees the new number with the entry marked
+            self._index.handed_out(entry)  # first: marked in vain costs a scrape one look
             entry.handouts.append(number)
         self._advance(number)
         # tuple.__new__: a HandOut without the Python-level __new__ of a named tuple (a hit
@@ -148,13 +147,14 @@ class HandOuts:
         # the two sides sees the other (see store.StoreReader attach).
         self._words.exchange(self._seq_offset, number)
 
-    @staticmethod
-    def undo(done: list[tuple[Entry, int]]) -> None:
+    def undo(self, done: list[tuple[Entry, int]]) -> None:
         """Take back hand-outs whose handle never reached the caller."""
         for entry, number in done:
             if number in entry.handouts:
-                entry.narrowed.pop(number, None)
-                entry.handouts.remove(number)
+                with self._index.lock:
+                    self._index.handed_out(entry)
+                    entry.narrowed.pop(number, None)
+                    entry.handouts.remove(number)
 
 
 def object_id(entry: Entry) -> bytes:

@@ -28,40 +28,55 @@ class Entry:
     origin: int = 0  # seq of the put that wrote these bytes (the header's origin_seq)
     ended: set[int] = field(default_factory=set)  # hand-outs whose users said they are over
     narrowed: dict[int, int] = field(default_factory=dict)  # hand-out -> mask of its readers
-    outs: int = 0  # hand-outs made and narrowings, ever: the scrape's way to see one while it looked
     object_id: bytes = b""  # key digest + origin seq (HandOut.object_id), set when it is made
 
 
 class Index:
     """`by_key`: the entry each key names now. `by_seq`: every live entry by its chunk's seq,
     also one that clear(keep_handed_out=True) kept for its readers and no key names.
-    `unread`: the entries of `by_seq` handed out since `stats()` last found every read of them
-    done, the only ones that can owe a read to an attached reader (reads only ever lower what
-    is owed; only the writer raises it, by handing out). The writer adds and drops entries, a
-    scrape in another thread removes the settled ones; both under `lock`."""
+    `changed`: the entries of `by_seq` whose hand-outs changed since the last `stats()` took
+    them (handed out, given back, narrowed, renumbered), and the seqs that entries the scrape
+    keeps (`kept`) left (dropped, or copied elsewhere): what the scrape must look at again
+    (store/_space.py Scrape). The writer marks an entry under `lock`, before the change, in the
+    same hold: a scrape that takes the marks then either sees the change or finds the entry
+    marked again. Both stay as small as the live entries, scraped or not. `last`: the entry
+    marked by `changing`, whose change may still be under way."""
 
-    __slots__ = ("by_key", "by_seq", "lock", "unread")
+    __slots__ = ("by_key", "by_seq", "changed", "kept", "last", "lock")
 
     def __init__(self) -> None:
         self.by_key: dict[str | bytes, Entry] = {}
         self.by_seq: dict[int, Entry] = {}
-        self.unread: dict[int, Entry] = {}
+        self.changed: dict[int, Entry] = {}
+        self.kept: set[int] = set()  # seqs of the entries the scrape keeps as owing reads
+        self.last: tuple[int, Entry] | None = None
         self.lock = threading.RLock()  # a signal handler's stats() in the writer's thread
 
     def handed_out(self, entry: Entry) -> None:
-        """`entry` may owe reads from now on (a hand-out, or a narrowing to more readers). The
-        caller holds `lock` from here until the change is recorded in the entry: a scrape that
-        looks at `entry` then sees both or neither."""
-        entry.outs += 1
-        self.unread[entry.chunk.seq] = entry
+        """`entry`'s hand-outs change now (the caller holds `lock` from here until the change
+        is recorded in the entry)."""
+        self.changed[entry.chunk.seq] = entry
+
+    def changing(self, entry: Entry) -> None:
+        """`entry`'s hand-outs change next, in what must be the caller's last statement (a
+        give-back's commit point, so no lock is held around it): marked now, and looked at by
+        every scrape (`last`) until the next change is marked, when this one is done and is
+        marked again."""
+        last = self.last
+        if last is not None:
+            self.changed[last[0]] = last[1]
+        self.last = (entry.chunk.seq, entry)
+        self.changed[entry.chunk.seq] = entry
 
     def forget(self, seq: int, entry: Entry) -> None:
         """`entry` no longer lives at chunk `seq` (dropped, or copied elsewhere)."""
-        if self.by_seq.get(seq) is entry:
-            del self.by_seq[seq]
-        if self.unread.get(seq) is entry:
-            with self.lock:
-                self.unread.pop(seq, None)
+        with self.lock:
+            if seq in self.kept:
+                self.changed[seq] = entry  # the scrape lets it go
+            else:
+                self.changed.pop(seq, None)  # never kept: nothing to let go
+            if self.by_seq.get(seq) is entry:
+                del self.by_seq[seq]
 
     def lookup(self, key: str | bytes, *, checked: bool = False) -> Entry | None:
         """The live entry of `key` (InvalidKey for a key that is not one, unless the caller

@@ -12,10 +12,13 @@ from ._layout import (
     ROW_DONE_THROUGH,
     ROW_PIN_MASK,
     ROW_PINS,
+    ROW_TOTAL_READS,
     counter_offset,
 )
 
-__all__ = ["ReaderLedger"]
+__all__ = ["ReaderLedger", "Row"]
+
+Row = tuple[int, int, int, int, int]  # ReaderLedger.rows: status, generation, after, through, reads
 
 
 class ReaderLedger:
@@ -29,9 +32,12 @@ class ReaderLedger:
         self._liveness = liveness
         self._n = self.n_readers = table.n_readers
 
-    def rows(self, force: bool) -> list[tuple[int, int, int, int]]:
+    def rows(self, force: bool) -> list[Row]:
         """Per reader, what owed() needs of its row now: (status, generation, the last
-        hand-out before it attached, the hand-out it is done through in order)."""
+        hand-out before it attached, the hand-out it is done through in order, its reads
+        ever). The reads are loaded first: a reader counts a read on the object, then in its
+        row, so an object's counter loaded after them is at least as new (the scrape's
+        stamp of a reader, store/_space.py)."""
         words = self._words
         table = self._table
         rows = []
@@ -39,18 +45,20 @@ class ReaderLedger:
             status, generation = self._liveness.status(r, force)
             if status == ATTACHED:
                 row = table.row(r)
+                reads = words.load_acquire(row + ROW_TOTAL_READS)
                 rows.append((status, generation, words.load_acquire(row + ROW_ATTACH_HANDOUT),
-                             words.load_acquire(row + ROW_DONE_THROUGH)))
+                             words.load_acquire(row + ROW_DONE_THROUGH), reads))
             else:
-                rows.append((status, generation, 0, 0))
+                rows.append((status, generation, 0, 0, 0))
         return rows
 
     def owed(self, handouts: list[int], address: int, force: bool,
              narrowed: dict[int, int] | None = None,
-             rows: list[tuple[int, int, int, int]] | None = None) -> list[int]:
+             rows: list[Row] | None = None, only: int | None = None) -> list[int]:
         """Reads each reader still owes on the object at `address`, handed out as numbered;
         a hand-out in `narrowed` is owed only by the readers of its mask (bit r: reader r).
-        `rows` (from rows()) saves reading the rows again for each of many objects."""
+        `rows` (from rows()) saves reading the rows again for each of many objects; `only`:
+        reader `only`'s alone (the others' are 0)."""
         n = self._n
         if not handouts:
             return [0] * n
@@ -60,7 +68,8 @@ class ReaderLedger:
         base = counter_offset(address, 0)  # reader r's counter is 8 r bytes on
         owed = [0] * n
         every = handouts
-        for r, (status, generation, after, through) in enumerate(rows):
+        for r, (status, generation, after, through, _) in (
+                enumerate(rows) if only is None else ((only, rows[only]),)):
             if narrowed:
                 handouts = [h for h in every if h not in narrowed or narrowed[h] >> r & 1]
                 if not handouts:

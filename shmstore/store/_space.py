@@ -10,6 +10,7 @@ owns its counters and the put's copy budget; the writer holds the guard of every
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from ..errors import StoreFull
@@ -18,10 +19,10 @@ from ..shm._ring import Chunk, RingWriter
 from ..shm._wait import Deadline, deadline_of, wait_until
 from ._index import Entry, Index
 from ._layout import OBJECT_HEADER
-from ._ledger import ReaderLedger
+from ._ledger import ReaderLedger, Row
 from ._policy import EvictionPolicy
 
-__all__ = ["Space"]
+__all__ = ["Space", "Scrape"]
 
 log = logging.getLogger("shmstore")
 
@@ -44,6 +45,7 @@ class Space:
         self.wanted = 0  # payload bytes the put that is making room needs
         self.evictions = self.full_events = self.reinsertions = self.bytes_reinserted = 0
         self.damaged = self.withdrawn = 0
+        self.scrape = Scrape(self)
 
     def clear(self, keep_handed_out: bool) -> None:
         """Forget every key (StoreWriter.clear says what stays readable)."""
@@ -68,33 +70,9 @@ class Space:
             ring.pop_oldest(oldest)
 
     def lag(self) -> tuple[list[int], int]:
-        """(hand-outs each reader owes on live objects, live objects): O(readers x objects
-        handed out since the last call), or a walk of the ring while a reader index has never
-        attached (it owes every hand-out)."""
-        n = self.ledger.n_readers
-        if any(self.ledger.never_attached(r) for r in range(n)):
-            return self.recount()
-        index = self.index
-        with index.lock:
-            looked = [(seq, entry, entry.outs) for seq, entry in index.unread.items()]
-        lag = [0] * n
-        settled = []
-        rows = self.ledger.rows(force=False)
-        owed_of = self.ledger.owed
-        for seq, entry, outs in looked:
-            owed = (owed_of(entry.handouts, entry.chunk.address, False, entry.narrowed, rows)
-                    if entry.live else [0] * n)
-            if any(owed):
-                for r, count in enumerate(owed):
-                    lag[r] += count
-            else:
-                settled.append((seq, entry, outs))
-        if settled:
-            with index.lock:
-                for seq, entry, outs in settled:  # unless handed out again meanwhile
-                    if entry.outs == outs and index.unread.get(seq) is entry:
-                        del index.unread[seq]
-        return lag, len(index.by_seq)
+        """(hand-outs each reader owes on live objects, live objects); Scrape says what it
+        costs."""
+        return self.scrape.lag()
 
     def recount(self) -> tuple[list[int], int]:
         """lag() by a walk of every live object in the ring: O(objects x readers)."""
@@ -272,3 +250,119 @@ class Space:
             f"reader(s) {list(blockers)}. Have them read it (or give_back() its handle), pass a "
             "timeout to put(), or create a larger store",
             payload_bytes, self.ring.capacity_bytes, blockers)
+
+
+class Scrape:
+    """What each reader owes, kept between calls of stats(): the owed reads of every object
+    that owes any, per reader and in total, and each reader's row as last seen (its stamp).
+
+    What a reader owes on an object changes only when the writer changes the object's
+    hand-outs (it marks the entry: Index.changed) or when the reader's row changes (it read,
+    discarded or finished through something, attached again, or died: every read bumps its
+    reads-ever word after the object's counter). So a call looks again only at the marked
+    entries, for every reader, and at the owing objects of each reader whose row changed, for
+    that reader: O(readers + changes since the last call). A reader that stopped, died or
+    never attached costs nothing however much it owes; one that reads while it lags costs
+    what it owes, once per call in which it read. The first call (and a call after one an
+    exception cut short) walks every live object once.
+
+    The writer's thread (a signal handler's stats()) or another thread may call it while the
+    writer works: the marks are taken under the index's lock, each object's owed reads are
+    worked out before any total changes, an object that changed meanwhile is marked again, and
+    a call that finds another in progress in its own thread (a signal handler) walks every
+    object without touching what is kept."""
+
+    def __init__(self, space: Space) -> None:
+        self._space = space
+        self._lock = threading.RLock()
+        self._busy = False
+        self._valid = False  # False: the next call walks every live object
+        n = space.ledger.n_readers
+        self._owed: dict[int, tuple[Entry, list[int]]] = {}  # seq -> (entry, owed by reader)
+        self._owing: list[set[int]] = [set() for _ in range(n)]  # seqs reader r owes on
+        self._lag = [0] * n
+        self._stamps: list[Row | None] = [None] * n
+
+    def lag(self) -> tuple[list[int], int]:
+        with self._lock:
+            if self._busy:  # a signal handler inside a call in this thread
+                return self._space.recount()
+            self._busy = True
+            try:
+                return self._look()
+            except BaseException:
+                self._valid = False  # cut short: what is kept may be half done
+                raise
+            finally:
+                self._busy = False
+
+    def _look(self) -> tuple[list[int], int]:
+        space = self._space
+        index = space.index
+        with index.lock:
+            changed, index.changed = index.changed, {}
+            if index.last is not None:  # a change that may still be under way: every time
+                changed.setdefault(*index.last)
+            if not self._valid:  # every live entry, as changed (a hand-out after this is marked)
+                changed = dict(index.by_seq)
+                self._owed.clear()
+                index.kept.clear()
+                for owing in self._owing:
+                    owing.clear()
+                self._lag = [0] * len(self._lag)
+                self._stamps = [None] * len(self._stamps)
+        rows = space.ledger.rows(force=False)
+        self._valid = True
+        # a snapshot: a give-back marks without the lock (Index.changing), maybe in the dict
+        # just taken; what it marks is `last` then, looked at in this call and the next
+        for seq, entry in list(changed.items()):
+            self._update(seq, entry, rows, None)
+        for r, row in enumerate(rows):
+            if row != self._stamps[r]:
+                for seq in list(self._owing[r]):
+                    self._update(seq, self._owed[seq][0], rows, r)
+                self._stamps[r] = row
+        return list(self._lag), len(index.by_seq)
+
+    def _update(self, seq: int, entry: Entry, rows: list[Row], only: int | None) -> None:
+        """Work out what `entry` owes now (reader `only`'s alone, else every reader's); an
+        entry gone from `seq` owes nothing there."""
+        if self._space.index.by_seq.get(seq) is not entry or not entry.live:
+            self._set(seq, entry, [0] * len(rows))
+            return
+        try:
+            owed = self._space.ledger.owed(entry.handouts, entry.chunk.address, False,
+                                           entry.narrowed, rows, only)
+        except (RuntimeError, IndexError):  # the writer's thread changes it now: it marked it
+            with self._space.index.lock:
+                self._space.index.changed[seq] = entry
+            return
+        if only is not None:
+            kept = self._owed.get(seq)
+            whole = list(kept[1]) if kept is not None else [0] * len(rows)
+            whole[only] = owed[only]
+            owed = whole
+        self._set(seq, entry, owed)
+
+    def _set(self, seq: int, entry: Entry, owed: list[int]) -> None:
+        """Keep `owed` as what `entry` at `seq` owes (nothing kept when it owes nothing)."""
+        index = self._space.index
+        if any(owed):
+            with index.lock:  # kept only while it lives there: its drop then marks it
+                if index.by_seq.get(seq) is not entry or not entry.live:
+                    owed = [0] * len(owed)  # dropped since it was looked at
+                else:
+                    index.kept.add(seq)
+        kept = self._owed.pop(seq, None)
+        old = kept[1] if kept is not None else [0] * len(owed)
+        for r, count in enumerate(owed):
+            if count != old[r]:
+                self._lag[r] += count - old[r]
+                if count:
+                    self._owing[r].add(seq)
+                else:
+                    self._owing[r].discard(seq)
+        if any(owed):
+            self._owed[seq] = (entry, owed)
+        else:
+            index.kept.discard(seq)

@@ -94,7 +94,7 @@ def hands_out(method: Callable[Concatenate[StoreWriter, Done, _Params], _Result]
             finally:
                 self._guard_leave()
         except BaseException:
-            HandOuts.undo(done)
+            self._handouts.undo(done)
             raise
     functools.update_wrapper(call, method)
     del call.__wrapped__  # type: ignore[attr-defined]
@@ -105,7 +105,6 @@ def hands_out(method: Callable[Concatenate[StoreWriter, Done, _Params], _Result]
     return call
 
 
-STATS_TRIES = 100  # stats() from another thread reads again if a put tore its snapshot
 
 
 class Reservation:
@@ -538,18 +537,12 @@ class StoreWriter(StoreBase):
 
     def stats(self) -> StoreStats:
         """Return counters and what each reader owes. Safe from another thread (a metrics
-        scrape) while this writer's own thread puts. O(readers x objects handed out since the
-        last call): the objects every reader has read are not looked at again until they are
-        handed out again; while a reader index has never attached, O(objects x readers)."""
+        scrape) while this writer's own thread puts. O(readers + what changed since the last
+        call), whatever the readers owe (store/_space.py Scrape): the objects whose hand-outs
+        changed, and the owing objects of each reader that read since; a reader that stopped,
+        died or never attached costs nothing. The first call walks every live object."""
         self._guard_check()
-        for _ in range(STATS_TRIES - 1):  # from another thread, a call in flight may change
-            try:                             # what is read: read again
-                lag, objects = self._space.lag()
-                break
-            except (RuntimeError, IndexError):
-                continue
-        else:
-            lag, objects = self._space.lag()
+        lag, objects = self._space.lag()
         table = self._table
         words = self._words
         space = self._space

@@ -157,22 +157,127 @@ def test_a_scrape_thread_beside_the_writer_never_loses_an_unread_hand_out(name: 
         traffic.close()
 
 
-def test_a_scrape_looks_only_at_what_was_handed_out_since_the_last(name: str) -> None:
-    writer = ObjectStore.create(name, n_readers=2, capacity_bytes=8 << 20)
-    readers = [ObjectStore.attach(name, reader=r) for r in range(2)]
+class Looks:
+    """Counts the objects a scrape works out what readers owe on (ReaderLedger.owed calls)."""
+
+    def __init__(self, writer: Any, monkeypatch: pytest.MonkeyPatch,
+                 inside: Any = None) -> None:
+        self.calls = 0
+        ledger = writer._space.ledger
+        original = ledger.owed
+
+        def owed(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if inside is not None:
+                inside(self.calls)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(ledger, "owed", owed)
+
+    def __call__(self, writer: Any) -> tuple[tuple[int, ...], int]:
+        """stats() (checked against the full walk), and the objects it looked at."""
+        before = self.calls
+        stats = writer.stats()
+        looked = self.calls - before
+        assert (list(stats.reader_lag), stats.objects) == _recount(writer)
+        return stats.reader_lag, looked
+
+
+def test_a_scrape_looks_only_at_what_changed_whatever_the_readers_owe(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """20,000 objects owed by a reader that stopped and by one never attached: after the first
+    scrape, one looks at nothing when nothing changed, at each object handed out or given back
+    since, and, for a reader that read since, at what that reader owes."""
+    n = 20_000
+    writer = ObjectStore.create(name, n_readers=3, capacity_bytes=64 << 20)
+    keeps_up, stopped = (ObjectStore.attach(name, reader=r) for r in range(2))
     try:
-        handles = [writer.put(f"k{i}", {"a": np.zeros(100, np.uint8)}) for i in range(500)]
-        for reader in readers:
-            for h in handles[:-3]:
-                reader.get(h)
-        assert writer.stats().reader_lag == (3, 3)
-        assert len(writer._index.unread) == 3  # the rest were settled and are not looked at
-        writer.get_cached("k0")
-        assert writer.stats().reader_lag == (4, 4) and len(writer._index.unread) == 4
+        handles = [writer.put(f"k{i}", b"x") for i in range(n)]
+        for h in handles:
+            keeps_up.get(h)
+        stopped.get(handles[0])
+        looks = Looks(writer, monkeypatch)
+        assert looks(writer)[0] == (0, n - 1, n)  # the first walks every object once
+        assert looks(writer) == ((0, n - 1, n), 0)  # nothing changed: nothing looked at
+        again = [writer.get_cached(f"k{i}") for i in range(5)]
+        assert looks(writer) == ((5, n + 4, n + 5), 5)  # the five handed out again
+        writer.give_back(again[-1])  # from now on each scrape looks at it once more (Index.last)
+        assert looks(writer) == ((4, n + 3, n + 4), 1)
+        for h in again[:4]:
+            keeps_up.get(h)
+        assert looks(writer) == ((0, n + 3, n + 4), 4 + 1)  # what the reader that read owed
+        stopped.get(handles[1])  # a lagging reader that reads: the n objects it owes on, once
+        assert looks(writer) == ((0, n + 2, n + 4), n + 1)
+        assert looks(writer) == ((0, n + 2, n + 4), 1)
     finally:
-        for reader in readers:
-            reader.close()
+        keeps_up.close()
+        stopped.close()
         writer.close()
+
+
+def test_marks_stay_as_few_as_the_live_objects_when_nobody_scrapes(name: str) -> None:
+    """Puts that evict all the time, no stats(): what the writer marks for a scrape is bounded
+    by the live objects (a dropped object nobody scraped leaves no mark)."""
+    with ObjectStore.create(name, n_readers=1, capacity_bytes=64 << 10) as writer, \
+            ObjectStore.attach(name, reader=0) as reader:
+        for i in range(5_000):
+            writer.give_back(writer.put(f"k{i}", b"x" * 500))
+        index = writer._index
+        assert len(index.changed) <= len(index.by_seq) and not index.kept
+        owed = [writer.put(f"owed{i}", b"x" * 500) for i in range(3)]
+        assert writer.stats().reader_lag == (3,) and len(index.kept) == 3
+        for h in owed:
+            reader.get(h)
+        for i in range(5_000, 10_000):
+            writer.give_back(writer.put(f"k{i}", b"x" * 500))
+        assert len(index.changed) <= len(index.by_seq) + 3  # and the kept ones, let go
+        _check(writer)
+        assert not index.kept and not index.changed
+
+
+def test_a_scrape_inside_a_scrape_and_one_cut_short_stay_exact(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler's stats() while the same thread is inside one walks every object
+    without touching what the outer keeps; a scrape an exception cuts short leaves the next
+    to walk every object again."""
+    traffic = Traffic(name, 3)
+    try:
+        for _ in range(200):
+            traffic.step()
+        inner: list[Any] = []
+
+        def nested(calls: int) -> None:
+            if calls == 2 and not inner:
+                inner.append(traffic.writer.stats())
+                assert (list(inner[0].reader_lag), inner[0].objects) == _recount(traffic.writer)
+        looks = Looks(traffic.writer, monkeypatch, nested)
+        writer = traffic.writer
+        writer._space.scrape._valid = False  # the next call walks (and meets the handler)
+        looks(writer)
+        assert inner
+        for _ in range(100):
+            traffic.step()
+            looks(writer)
+
+        armed = [False]
+
+        def interrupt(calls: int) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+        monkeypatch.undo()
+        Looks(writer, monkeypatch, interrupt)
+        armed[0] = True
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(200):  # until a scrape looks at something, and is cut there
+                traffic.step()
+                writer.stats()
+        assert not writer._space.scrape._valid
+        _check(writer)
+        for _ in range(100):
+            traffic.step()
+            _check(writer)
+    finally:
+        traffic.close()
 
 
 def test_narrowing_a_read_hand_out_to_more_readers_shows_in_the_next_scrape(name: str) -> None:
