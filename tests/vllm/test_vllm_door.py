@@ -228,3 +228,17 @@ def test_the_shape_checks_see_what_they_look_for(tmp_path: Path) -> None:
         ".req_id", "getattr 'cache'"]
     shapes, items = _declared_shapes()
     assert {"request_id", "scheduled_new_reqs", "mm_data_items"} <= shapes and "slices" in items
+
+
+def test_the_processor_hook_hands_vllm_a_copy_whose_cache_is_the_view() -> None:
+    """with_cache: vLLM's ProcessorInputs copied with another cache; the original unchanged
+    (the request's scope travels in the copy only)."""
+    pytest.importorskip("vllm")
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    from shmstore.vllm._vllm import with_cache
+
+    inputs = ProcessorInputs([1, 2], {}, hf_processor_mm_kwargs={"size": 336}, cache="sender")
+    out = with_cache(inputs, "view")
+    assert (out.cache, inputs.cache) == ("view", "sender")
+    assert out.prompt is inputs.prompt and out.hf_processor_mm_kwargs is inputs.hf_processor_mm_kwargs
