@@ -229,6 +229,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def close(self) -> None:
         self._unregister_metrics()
+        self.accel.close()
         self._core.close()
         with self._lock:
             if self in SENDERS:

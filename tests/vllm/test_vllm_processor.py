@@ -112,3 +112,32 @@ def test_a_corrupt_jpeg_gets_vllms_error_and_is_never_stored(
         assert "Failed to load image" in str(lazily.value)
         sender.release_sender_touches()
     assert counted == [] and first.store.stats().puts == 0
+
+
+def test_with_the_acceleration_off_every_api_server_processes_as_vllm_does(
+        processor: Any, name: str, counted: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHMSTORE_VLLM_ACCELERATE=0: images decoded as they arrive (even in a process where
+    senders with it on were open before), no records: the second API server runs the HF
+    processor for an item the first stored, and gets vLLM's prompt ids and placeholders."""
+    from shmstore.vllm._sender import ShmstoreSenderCache
+
+    monkeypatch.setenv("SHMSTORE_VLLM_ACCELERATE", "0")
+    senders = [ShmstoreSenderCache(shared.config(name, cache_mb=shared.cache_mb(), world_size=1,
+                                                 api_servers=2, api_rank=r, dp=2))
+               for r in range(2)]
+    try:
+        first, second = senders
+        assert not first.accel.on and not first.accel.lazy_images
+        for seed in range(2):
+            data = jpeg(20 + seed)
+            ids, places, _, _ = run(processor, data, None, counted)
+            for sender, processed in ((first, 1), (second, 1), (first, 0), (second, 0)):
+                got = run(processor, data, sender, counted)
+                assert got[:2] == (ids, places) and got[3] == processed
+                assert not isinstance(got[2], LazyImage)  # decoded as it arrived
+        assert first.accel.skipped == second.accel.skipped == {"decode": 0, "processor": 0}
+        assert second.accel.refused == dict.fromkeys(second.accel.refused, 0)  # none read
+        assert first.store.stats().puts == 2 and second.items["shared"] == 2
+    finally:
+        for sender in reversed(senders):
+            sender.close()

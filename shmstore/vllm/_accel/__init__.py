@@ -23,7 +23,7 @@ from typing import Any
 
 from .._env import LOG_NAME
 from .._vllm import kwargs_digest
-from ._images import LazyImage, install, pending, realize, realize_misses, unrealized
+from ._images import LazyImage, install, pending, realize, realize_misses, release, unrealized
 from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
 
 __all__ = ["Acceleration", "LazyImage", "RECORD_FIELD", "REFUSALS", "pending", "realize",
@@ -84,6 +84,12 @@ class Acceleration:
         with self._lock:
             self.skipped["processor"] += 1
         return updates
+
+    def close(self) -> None:
+        """The sender closes: its lazy loading ends (vLLM's own, once no sender wants it)."""
+        if self.lazy_images:
+            self.lazy_images = False
+            release()
 
     def processed(self, items: Any) -> None:
         """A request's processing ended: count its images that were never decoded."""

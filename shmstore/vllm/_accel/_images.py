@@ -30,10 +30,11 @@ from .._vllm import (
     open_image,
 )
 
-__all__ = ["LazyImage", "lazy_loader", "install", "realize", "unrealized", "pending",
-           "realize_misses"]
+__all__ = ["LazyImage", "lazy_loader", "install", "release", "realize", "unrealized",
+           "pending", "realize_misses"]
 
 ORIENTATION = 0x0112  # the EXIF tag vLLM's exif_transpose acts on (values 2..8 rotate)
+_WANTED = [0]  # this process's senders that want images lazy (install/release)
 
 
 class LazyImage(MediaWithBytes):  # type: ignore[misc]
@@ -66,8 +67,28 @@ def lazy_loader(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes],
 
 
 def install() -> bool:
-    """Make this process's image loading lazy (once); False where this vLLM cannot."""
-    return install_image_loader(lazy_loader)
+    """Make this process's image loading lazy until `release` (counted: lazy while any sender
+    that installed it is open); False where this vLLM cannot."""
+    if not install_image_loader(_while_wanted):
+        return False
+    _WANTED[0] += 1
+    return True
+
+
+def release() -> None:
+    """One sender that installed lazy loading closed (its acceleration is over): loading is
+    vLLM's own again once no sender wants it lazy."""
+    _WANTED[0] = max(0, _WANTED[0] - 1)
+
+
+def _while_wanted(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes], Any]:
+    """vLLM's load_bytes, lazy while a sender of this process wants it (`install`)."""
+    lazy = lazy_loader(original)
+
+    @functools.wraps(original)
+    def load_bytes(self: Any, data: bytes) -> Any:
+        return lazy(self, data) if _WANTED[0] else original(self, data)
+    return load_bytes
 
 
 def _header(data: bytes) -> Any:
