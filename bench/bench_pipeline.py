@@ -402,13 +402,14 @@ def main() -> None:
             print(f"{label:>13} {n_readers:>2} {paced['p50_us']:10.1f} / {paced['p99_us']:8.1f} "
                   f"{asleep['p50_us']:11.1f} / {asleep['p99_us']:8.1f} "
                   f"{flood['msgs_per_s']:13,.0f}", flush=True)
-    share = run_idle(3.0)
+    idle_s = 1.0 if args.quick else 3.0
+    share = run_idle(idle_s)
     out["idle_reader_cpu_share"] = share
-    print(f"\nidle reader (blocked in get for 3 s): {share * 100:.2f}% of a core")
+    print(f"\nidle reader (blocked in get for {idle_s:g} s): {share * 100:.2f}% of a core")
     if "vllm" in queues:
-        out["vllm_idle_reader_cpu_share"] = vllm_share = run_idle(3.0, vllm=True)
-        print(f"idle MessageQueue reader (blocked in dequeue for 3 s): {vllm_share * 100:.2f}% "
-              "of a core")
+        out["vllm_idle_reader_cpu_share"] = vllm_share = run_idle(idle_s, vllm=True)
+        print(f"idle MessageQueue reader (blocked in dequeue for {idle_s:g} s): "
+              f"{vllm_share * 100:.2f}% of a core")
     _write(out, args.json)
 
 
