@@ -45,8 +45,10 @@ class QueueWriter(QueueBase):
         self._writer_bell: Doorbell | None = None
         try:
             for r in range(self.n_readers):
-                self._bells.append(Doorbell.create(bell_name(self.name, f"r{r}"), mode))
-            self._writer_bell = Doorbell.create(bell_name(self.name, "w"), mode)
+                self._bells.append(Doorbell.create(bell_name(self.name, f"r{r}"), mode,
+                                                   beside=self.name))
+            self._writer_bell = Doorbell.create(bell_name(self.name, "w"), mode,
+                                                beside=self.name)
             self._slots = self.open_slots(-1, tuple(bell.name for bell in self._bells), None)
         except BaseException:
             self._close_bells()

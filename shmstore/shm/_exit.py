@@ -30,7 +30,7 @@ from .._proc import env_switch
 
 log = logging.getLogger("shmstore")
 
-__all__ = ["prepare", "own", "disown"]
+__all__ = ["prepare", "own", "own_beside", "disown"]
 
 _OWNED: dict[str, tuple[int, int]] = {}  # path -> (pid, inode)
 _LOCK = threading.Lock()
@@ -160,6 +160,14 @@ def own(path: str) -> None:
         if not _registered:
             atexit.register(_unlink_owned)
             _registered = True
+
+
+def own_beside(segment: str, path: str) -> None:
+    """`path` (a doorbell named after `segment`, which this process owns) is about to be
+    created: should this process be killed before own(path), its tracker unlinks it with
+    `segment`. Call before the create."""
+    with _LOCK:
+        _track(f"?{segment} {path}\n")
 
 
 def disown(path: str) -> None:

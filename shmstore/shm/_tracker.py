@@ -13,6 +13,9 @@ never torn by a signal):
 
     +INODE PATH      PATH (a segment or a semaphore's file) was created with inode INODE
     -PATH            PATH was unlinked by its owner, or handed on: forget it
+    ?SEGMENT PATH    PATH (a queue's doorbell) is about to be created, named after SEGMENT
+                     (listed already): a writer killed between the create and its +INODE line
+                     leaves it, so it goes with SEGMENT (unlinked first, under SEGMENT's lock)
 
 The pipe ends when every copy of its write end is closed: at the writer's exit, whatever ends
 it (a forked child closes its inherited copy at once). The tracker then waits until its writer
@@ -54,8 +57,9 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _parse(line: bytes, owned: dict[bytes, int]) -> None:
-    """Apply one line of the pipe to `owned` (path -> inode); ignore what is not a line."""
+def _parse(line: bytes, owned: dict[bytes, int], beside: dict[bytes, set[bytes]]) -> None:
+    """Apply one line of the pipe to `owned` (path -> inode) and `beside` (segment -> paths
+    named after it); ignore what is not a line."""
     line = line.rstrip(b"\n")
     if line.startswith(b"+"):
         inode, _, path = line[1:].partition(b" ")
@@ -63,16 +67,25 @@ def _parse(line: bytes, owned: dict[bytes, int]) -> None:
             owned[path] = int(inode)
     elif line.startswith(b"-"):
         owned.pop(line[1:], None)
+        for paths in beside.values():
+            paths.discard(line[1:])
+    elif line.startswith(b"?"):
+        segment, _, path = line[1:].partition(b" ")
+        if segment.startswith(b"/") and path.startswith(b"/"):
+            beside.setdefault(segment, set()).add(path)
 
 
-def unlink_if_same(path: str | bytes, inode: int | None = None) -> int | None:
+def unlink_if_same(path: str | bytes, inode: int | None = None,
+                   beside: frozenset[bytes] = frozenset()) -> int | None:
     """Unlink `path` if it still leads to the regular file of `inode` (the file there now, if
-    None); return that file's size if it was unlinked, None if not.
+    None); return that file's size if it was unlinked, None if not. `beside`: names that go
+    with it (whatever file they lead to), unlinked first under its lock.
 
     The check and the unlink hold an exclusive flock on that file, as every remover of a
     dead writer's names does (Segment.remove_stale, the next create's takeover, a queue's
     doorbells): of two removers of one file one unlinks it, and a name a new writer made
-    meanwhile (another file) is never unlinked."""
+    meanwhile (another file) is never unlinked. A new writer makes a segment's doorbells only
+    once it holds the segment's name, so none of them is among `beside`."""
     try:  # O_NONBLOCK: whatever is there now, opening it never waits (a FIFO)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -85,6 +98,13 @@ def unlink_if_same(path: str | bytes, inode: int | None = None) -> int | None:
         now = os.lstat(path)
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
             return None
+        for name in beside:
+            try:
+                os.unlink(name)
+                sys.stderr.write(f"shmstore: removed {os.fsdecode(name)}, made beside "
+                                 f"{os.fsdecode(path)} and never listed\n")
+            except OSError:
+                pass  # unlinked by its owner, or listed and gone: nothing was left
         os.unlink(path)
         return held.st_size
     except OSError:
@@ -93,9 +113,11 @@ def unlink_if_same(path: str | bytes, inode: int | None = None) -> int | None:
         os.close(fd)
 
 
-def _unlink_left(owned: dict[bytes, int], writer: int) -> None:
+def _unlink_left(owned: dict[bytes, int], beside: dict[bytes, set[bytes]],
+                 writer: int) -> None:
     for path, inode in owned.items():
-        size = unlink_if_same(path, inode)
+        unlisted = frozenset(p for p in beside.get(path, ()) if p not in owned)
+        size = unlink_if_same(path, inode, unlisted)
         if size is not None:
             sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
                              f"{os.fsdecode(path)} ({size} bytes): removed\n")
@@ -109,6 +131,7 @@ def main(argv: list[str]) -> int:
     if os.fork():
         os._exit(0)  # reaped by the writer; the tracker goes on, no longer its child
     owned: dict[bytes, int] = {}
+    beside: dict[bytes, set[bytes]] = {}
     pending = b""
     while True:
         try:
@@ -122,10 +145,10 @@ def main(argv: list[str]) -> int:
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            _parse(line, owned)
+            _parse(line, owned, beside)
     while _start_time(writer) == started:
         time.sleep(WRITER_POLL_S)  # the pipe closed, but its writer lives on
-    _unlink_left(owned, writer)
+    _unlink_left(owned, beside, writer)
     return 0
 
 

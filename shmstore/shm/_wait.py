@@ -97,8 +97,12 @@ class Doorbell:
         self.owner = owner
 
     @classmethod
-    def create(cls, name: str, mode: int) -> Doorbell:
-        """Create `name` (replacing a stale one: the caller owns the name now) with `mode`."""
+    def create(cls, name: str, mode: int, beside: str | None = None) -> Doorbell:
+        """Create `name` (replacing a stale one: the caller owns the name now) with `mode`;
+        `beside`: the name of the segment it goes with (its tracker then unlinks it with the
+        segment, even if this process is killed before it has listed the doorbell)."""
+        if beside is not None:
+            _exit.own_beside(os.path.join(SHM_DIR, beside.lstrip("/")), _sem_path(name))
         try:
             try:
                 sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)

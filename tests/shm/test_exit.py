@@ -244,6 +244,28 @@ def test_segments_a_tracker_killed_with_its_writer_left_go_at_the_next_writers_c
         assert left(name) == []
 
 
+@pytest.mark.parametrize("bell", ["r0", "r1", "w"])
+def test_a_writer_killed_between_a_doorbells_create_and_its_listing_leaves_nothing(
+        name: str, bell: str) -> None:
+    """SIGKILL in the one window the tracker cannot see (a doorbell made, not yet listed):
+    the doorbell goes with its queue's segment. Once seen in the hundred-kill loop below
+    (a `sem.NAME.queue.r0` left, its segment removed)."""
+    done = run(name, f"""
+        import signal
+        from shmstore.shm import _exit
+        listed = _exit.own
+
+        def own(path):
+            if path.endswith('.{bell}'):  # made, and killed before it is listed
+                os.kill(os.getpid(), signal.SIGKILL)
+            listed(path)
+        _exit.own = own
+        {MAKE['queue'].replace(chr(10), chr(10) + '        ')}
+    """)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    wait_gone(name)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # 100 interpreters started one after another: minutes on a busy machine
 def test_a_hundred_writers_killed_in_a_loop_leave_nothing(name: str) -> None:
