@@ -89,10 +89,6 @@ class ReaderLedger:
                     owed[r] = count - reads
         return owed
 
-    def never_attached(self, reader: int) -> bool:
-        """Whether reader index `reader` has never attached (it owes every hand-out)."""
-        return self._liveness.status(reader)[0] == NEVER
-
     def pinned_by(self, seq: int) -> tuple[int, ...]:
         """Attached readers that are inside the chunk `seq` now."""
         words = self._words

@@ -303,7 +303,8 @@ class Scrape:
             changed, index.changed = index.changed, {}
             if index.last is not None:  # a change that may still be under way: every time
                 changed.setdefault(*index.last)
-            if not self._valid:  # every live entry, as changed (a hand-out after this is marked)
+            rebuilt = not self._valid
+            if rebuilt:  # every live entry, as changed (a hand-out after this is marked)
                 changed = dict(index.by_seq)
                 self._owed.clear()
                 index.kept.clear()
@@ -317,6 +318,8 @@ class Scrape:
         # just taken; what it marks is `last` then, looked at in this call and the next
         for seq, entry in list(changed.items()):
             self._update(seq, entry, rows, None)
+        if rebuilt:  # every reader's debts were just worked out from these rows
+            self._stamps = list(rows)
         for r, row in enumerate(rows):
             if row != self._stamps[r]:
                 for seq in list(self._owing[r]):

@@ -105,8 +105,6 @@ def hands_out(method: Callable[Concatenate[StoreWriter, Done, _Params], _Result]
     return call
 
 
-
-
 class Reservation:
     """What `StoreWriter.reserve` yields: the writable arrays/tensors, then the hand-out."""
 
