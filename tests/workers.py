@@ -208,3 +208,36 @@ def fake_relay_main(name: str, sent: Any) -> None:
     channel.publish(channel.store.hand_out_new(b"id-1", {"x": 1}))
     sent.set()
     time.sleep(600)
+
+
+def toy_processor(gate_dir: str = "") -> Any:
+    """A miss pool Processor factory (serving/_pool.py) for tests: a job is a dict with the
+    item's "bytes" and what to do with them. Each job writes `<gate_dir>/started-<n>` when it
+    begins and, with "hold", waits until `<gate_dir>/open` exists, so a test sees jobs run at
+    once without timing anything."""
+    import os
+    import signal
+    import time
+
+    import numpy as np
+
+    def process(job: dict[str, Any]) -> Any:
+        if gate_dir:
+            with open(os.path.join(gate_dir, f"started-{job.get('n', 0)}-{os.getpid()}"), "w"):
+                pass
+            while job.get("hold") and not os.path.exists(os.path.join(gate_dir, "open")):
+                time.sleep(0.01)
+        if job.get("die"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if job.get("fail"):
+            raise ValueError(f"cannot decode image: {job['fail']}")
+        if job.get("decline"):
+            return None
+        data = np.frombuffer(job["bytes"], dtype=np.uint8)
+        return {"data": data ^ 0xFF, "pid": os.getpid()}
+    return process
+
+
+def broken_processor() -> Any:
+    """A Processor factory that cannot build (a model the pool cannot load)."""
+    raise RuntimeError("no such model: tiny-missing")

@@ -8,6 +8,8 @@ items into these.
     _nodes.py      HeadPublisher (the head's relay Publisher) and NodeFeed (a worker on node k)
     _deployment.py Shape (a deployment: store, API servers, engines, nodes, timings) and
                    open_writer, which picks this process's writer by shape
+    _pool.py       MissPool: misses processed by worker processes straight into the store,
+                   one processing per key in flight, every failure a fallback outcome
     _log.py        the core's logger, sent through the engine's own (log_to)
 
 May import: errors, handle, _proc, shm, serde, store, queue, cache, relay.

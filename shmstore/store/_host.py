@@ -48,6 +48,7 @@ from ._wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
     error_reply,
+    handle_to_wire,
     handout_to_wire,
     parse_request,
     recv_frame,
@@ -231,6 +232,7 @@ class WriterHost(Closeable):
             "clear": lambda a, _: w.clear(keep_handed_out=a[0]),
             "begin": self._begin,
             "commit": self._commit,
+            "commit_unowed": self._commit_unowed,
             "abandon": self._abandon,
         }
         return table
@@ -251,6 +253,13 @@ class WriterHost(Closeable):
 
     def _commit(self, args: list[Any], loans: Lender) -> list[Any]:
         return handout_to_wire(loans.commit(self._lent("commit", args[0], loans))[1])
+
+    def _commit_unowed(self, args: list[Any], loans: Lender) -> list[Any]:
+        """Commit and give the hand-out back in one step (under the host's lock): the object is
+        cached and no reader owes it, even if the client dies right after."""
+        handout = loans.commit(self._lent("commit_unowed", args[0], loans))[1]
+        self._writer.give_back(handout.handle, handout.number)
+        return handle_to_wire(handout.handle)
 
     def _abandon(self, args: list[Any], loans: Lender) -> None:
         loans.abandon(self._lent("abandon", args[0], loans))

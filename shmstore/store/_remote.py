@@ -42,6 +42,7 @@ from ._wire import (
     OPS,
     PROTOCOL,
     check_field,
+    handle_from_wire,
     handout_from_wire,
     rebuild_error,
     recv_frame,
@@ -272,9 +273,22 @@ class RemoteWriter(Closeable):
         check_key(key)
         enc: Encoded = obj if isinstance(obj, Encoded) else encode(obj)
         with self._io:  # the ring stays mapped from the loan to its commit
-            return self._put(key, enc)
+            return self._handout(self._put(key, enc))
 
-    def _put(self, key: str | bytes, enc: Encoded) -> HandOut:
+    def store_unowed(self, key: str | bytes, obj: Any) -> Handle:
+        """Store `obj` under `key` with no hand-out out (the host commits it and gives the
+        hand-out back in one step): cached for whoever asks next, owed by no reader, so a
+        client that dies right after pins nothing. Raises as hand_out_new."""
+        check_key(key)
+        enc: Encoded = obj if isinstance(obj, Encoded) else encode(obj)
+        with self._io:
+            words = self._put(key, enc, "commit_unowed")
+        try:
+            return handle_from_wire(words)
+        except ProtocolError:
+            self._malformed()
+
+    def _put(self, key: str | bytes, enc: Encoded, commit: str = "commit") -> Any:
         loan, offset = self._call("begin", key, enc.nbytes, enc.structure_crc)
         ring = self._ring
         try:
@@ -289,7 +303,7 @@ class RemoteWriter(Closeable):
             with contextlib.suppress(ShmStoreError):
                 self._call("abandon", loan)
             raise
-        return self._handout(self._call("commit", loan))
+        return self._call(commit, loan)
 
     @property
     def closed(self) -> bool:

@@ -65,7 +65,7 @@ __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GRO
            "handle_from_wire", "handout_to_wire", "handout_from_wire", "int_list", "error_reply",
            "rebuild_error"]
 
-PROTOCOL = 4
+PROTOCOL = 5
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
 MAX_KEYS = 1024  # keys in one hand_out_cached or cached frame (RemoteWriter splits longer lists)
 MAX_PEEK_BYTES = MAX_RECORD_BYTES  # a peeked record: MAX_KEYS of them with their hand-outs fit
@@ -103,6 +103,7 @@ OPS: dict[str, Op] = {
     "clear": Op((FLAG,)),
     "begin": Op((KEY, NUMBER, NUMBER)),  # key, body bytes, structure crc -> [loan, offset]
     "commit": Op((NUMBER,)),  # loan -> a hand-out
+    "commit_unowed": Op((NUMBER,)),  # loan -> its handle; the hand-out given back at once
     "abandon": Op((NUMBER,)),  # loan
 }
 POSTABLE = tuple(name for name, op in OPS.items() if op.postable)

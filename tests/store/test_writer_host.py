@@ -177,6 +177,18 @@ def _raw(writer) -> socket.socket:
     return sock
 
 
+def test_store_unowed_caches_an_object_no_reader_owes(hosted) -> None:
+    writer, _, client, readers, _ = hosted
+    handle = client.store_unowed("u", blob(5))
+    assert writer.unread(handle) == (0, 0) and client.is_cached("u")
+    assert writer.get_cached("u") == handle
+    with pytest.raises(KeyExists):
+        client.store_unowed("u", blob(6))
+    with pytest.raises(ObjectTooLarge):
+        client.store_unowed("huge", blob(7, 128 * KIB))
+    assert readers[1].get(handle)[0] == 5
+
+
 def test_hand_out_cached_takes_every_hit_in_one_call(hosted) -> None:
     writer, _, client, readers, lock = hosted
     a, b = client.put("a", blob(1)), client.put("b", blob(2))
@@ -243,6 +255,7 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> 
     b"".join([struct.pack("<I", len(b := msgpack.packb(["nope"]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["give_back", [1, 2], None]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["commit", 12345]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["commit_unowed", 12345]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16], -1, []]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16, 1], "1", []]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["len", 1]))), b]),

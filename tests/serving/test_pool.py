@@ -1,0 +1,218 @@
+"""The miss pool (serving/_pool.py): misses processed by worker processes straight into the store,
+one processing per key in flight, and every failure an outcome the caller falls back on."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmstore._proc import pid_alive
+from shmstore.errors import InvalidArgument
+from shmstore.serving._pool import FALLBACKS, STORED, MissPool, Processor, default_workers
+from shmstore.store._host import WriterHost
+from tests._names import ObjectStore
+from tests._waiting import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+KIB = 1024
+TOY = "tests.workers:toy_processor"
+READY_S = 60.0  # a spawned worker imports numpy and the store: seconds on a loaded machine
+
+
+@contextmanager
+def hosted(name: str, *, capacity_bytes: int = 1024 * KIB, max_object_bytes: int | None = None
+           ) -> Iterator[Any]:
+    writer = ObjectStore.create(name, capacity_bytes=capacity_bytes, n_readers=1,
+                                max_object_bytes=max_object_bytes or capacity_bytes // 2)
+    host = WriterHost(writer, threading.RLock())
+    try:
+        yield writer
+    finally:
+        host.close()
+        writer.close()
+
+
+@contextmanager
+def pool_of(name: str, workers: int, gate: str = "", **kw: Any) -> Iterator[MissPool]:
+    pool = MissPool(name, Processor(TOY, (gate,)), workers=workers, **kw)
+    try:
+        wait_for(lambda: pool.stats().ready == workers, READY_S, "the pool's workers")
+        yield pool
+    finally:
+        pool.close()
+
+
+def started(gate: str) -> list[str]:
+    return sorted(f for f in os.listdir(gate) if f.startswith("started-"))
+
+
+def outcome(pool: MissPool, key: str, job: dict[str, Any]) -> str:
+    return pool.submit(key, job).result(timeout=READY_S)
+
+
+def test_a_miss_is_stored_by_a_worker_owed_by_no_reader_and_read_as_a_hit(name: str) -> None:
+    with hosted(name) as writer, pool_of(name, 1) as pool:
+        payload = bytes(range(256)) * 40
+        assert outcome(pool, "k1", {"bytes": payload}) == STORED
+        assert writer.cached(["k1"]) == [True]
+        handout = writer.hand_out_cached(["k1"])[0]
+        assert handout is not None
+        with ObjectStore.attach(name, reader=0) as reader:
+            value = reader.get(handout.handle)
+        np.testing.assert_array_equal(value["data"], np.frombuffer(payload, np.uint8) ^ 0xFF)
+        assert value["pid"] in pool.worker_pids()
+        # the worker's own hand-out was given back by the host: only ours was owed
+        assert writer.unread(handout.handle) == (0,)
+        stats = pool.stats()
+        assert (stats.submitted, stats.stored, stats.waited) == (1, 1, 0)
+        assert sum(stats.fallback.values()) == 0
+
+
+def test_jobs_run_at_once_up_to_the_pools_size_and_the_rest_wait_their_turn(
+        name: str, tmp_path: Any) -> None:
+    gate = str(tmp_path)
+    with hosted(name) as writer, pool_of(name, 2, gate) as pool:
+        futures = [pool.submit(f"k{n}", {"bytes": b"x" * 64, "hold": True, "n": n})
+                   for n in range(3)]
+        wait_for(lambda: len(started(gate)) == 2, READY_S, "two jobs running at once")
+        stats = pool.stats()
+        assert (stats.busy, stats.queued) == (2, 1)
+        assert len(started(gate)) == 2  # the third waits for a worker
+        open(os.path.join(gate, "open"), "w").close()
+        assert [f.result(timeout=READY_S) for f in futures] == [STORED] * 3
+        assert len({name.rsplit("-", 1)[1] for name in started(gate)}) == 2  # two processes
+        assert writer.cached(["k0", "k1", "k2"]) == [True] * 3
+
+
+def test_a_key_in_flight_is_waited_for_not_processed_again(name: str, tmp_path: Any) -> None:
+    gate = str(tmp_path)
+    with hosted(name), pool_of(name, 2, gate) as pool:
+        first = pool.submit("same", {"bytes": b"y" * 64, "hold": True})
+        wait_for(lambda: len(started(gate)) == 1, READY_S, "the first job")
+        again = [pool.submit("same", {"bytes": b"y" * 64, "hold": True}) for _ in range(4)]
+        assert all(f is first for f in again)
+        open(os.path.join(gate, "open"), "w").close()
+        assert first.result(timeout=READY_S) == STORED
+        assert len(started(gate)) == 1
+        stats = pool.stats()
+        assert (stats.submitted, stats.stored, stats.waited) == (1, 1, 4)
+
+
+def test_a_worker_killed_mid_item_fails_that_item_only_and_is_started_again(
+        name: str, tmp_path: Any) -> None:
+    gate = str(tmp_path)
+    with hosted(name) as writer, pool_of(name, 1, gate) as pool:
+        first_pid = pool.worker_pids()[0]
+        assert outcome(pool, "dies", {"bytes": b"z", "die": True}) == "died"
+        assert not writer.cached(["dies"])[0]
+        wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker started again")
+        assert pool.worker_pids() != [first_pid] and not pid_alive(first_pid)
+        # the key is no longer in flight: a new job for it runs
+        assert outcome(pool, "dies", {"bytes": b"z"}) == STORED
+        stats = pool.stats()
+        assert (stats.restarts, stats.fallback["died"], stats.stored) == (1, 1, 1)
+        assert writer.stats().objects == 1
+
+
+def test_a_processor_error_a_declined_job_and_an_item_over_the_store_are_fallbacks(
+        name: str) -> None:
+    with hosted(name, capacity_bytes=256 * KIB, max_object_bytes=32 * KIB) as writer, \
+            pool_of(name, 1) as pool:
+        assert outcome(pool, "bad", {"bytes": b"", "fail": "truncated JPEG"}) == "failed"
+        assert outcome(pool, "no", {"bytes": b"a", "decline": True}) == "declined"
+        assert outcome(pool, "big", {"bytes": b"b" * (64 * KIB)}) == "store_full"
+        assert outcome(pool, "fine", {"bytes": b"c"}) == STORED  # the worker goes on
+        assert writer.cached(["bad", "no", "big", "fine"]) == [False, False, False, True]
+        fallback = pool.stats().fallback
+        assert (fallback["failed"], fallback["declined"], fallback["store_full"]) == (1, 1, 1)
+        assert pool.stats().restarts == 0
+
+
+def test_a_full_pool_and_a_starting_pool_answer_at_once(name: str, tmp_path: Any) -> None:
+    gate = str(tmp_path)
+    with hosted(name):
+        pool = MissPool(name, Processor(TOY, (gate,)), workers=1, max_waiting=1)
+        try:  # a spawned worker takes far longer to say ready than this call
+            assert pool.submit("early", {"bytes": b"e"}).result(timeout=0) == "starting"
+            wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker")
+            busy = pool.submit("busy", {"bytes": b"b", "hold": True})
+            wait_for(lambda: len(started(gate)) == 1, READY_S, "the first job")
+            queued = pool.submit("queued", {"bytes": b"q"})
+            assert pool.submit("over", {"bytes": b"o"}).result(timeout=0) == "full"
+            open(os.path.join(gate, "open"), "w").close()
+            assert (busy.result(READY_S), queued.result(READY_S)) == (STORED, STORED)
+            fallback = pool.stats().fallback
+            assert (fallback["starting"], fallback["full"]) == (1, 1)
+        finally:
+            pool.close()
+
+
+def test_a_processor_that_cannot_be_built_makes_every_miss_fall_back(name: str) -> None:
+    with hosted(name):
+        with MissPool(name, Processor("tests.workers:broken_processor"), workers=2) as pool:
+            wait_for(lambda: pool.broken != "", READY_S, "the pool to give up")
+            assert "no such model: tiny-missing" in pool.broken
+            assert pool.submit("k", {"bytes": b"k"}).result(timeout=0) == "unavailable"
+            wait_for(lambda: pool.stats().workers == 0, READY_S, "the workers to exit")
+            assert pool.stats().restarts == 0
+
+
+def test_close_ends_running_jobs_and_leaves_no_process(name: str, tmp_path: Any) -> None:
+    gate = str(tmp_path)
+    with hosted(name):
+        pool = MissPool(name, Processor(TOY, (gate,)), workers=2)
+        wait_for(lambda: pool.stats().ready == 2, READY_S, "the workers")
+        pids = pool.worker_pids()
+        running = pool.submit("held", {"bytes": b"h", "hold": True})
+        pool.close()
+        pool.close()
+        assert running.result(timeout=0) == "closed"
+        assert not any(pid_alive(pid) for pid in pids)
+        assert pool.submit("after", {"bytes": b"a"}).result(timeout=0) == "closed"
+
+
+def test_a_job_that_is_not_msgpack_data_is_refused_with_what_to_do(name: str) -> None:
+    with hosted(name), pool_of(name, 1) as pool:
+        with pytest.raises(InvalidArgument, match="msgpack data"):
+            pool.submit("k", {"bytes": object()})
+        assert outcome(pool, "k", {"bytes": b"ok"}) == STORED  # not left in flight
+    with pytest.raises(InvalidArgument, match="at least 1 worker"):
+        MissPool(name, Processor(TOY), workers=0)
+
+
+def _owner(name: str, pids: Any) -> None:
+    with hosted(name):
+        pool = MissPool(name, Processor(TOY), workers=2)
+        wait_for(lambda: pool.stats().ready == 2, READY_S, "the workers")
+        pids.put(pool.worker_pids())
+        threading.Event().wait()  # until killed
+
+
+def test_workers_exit_when_the_process_that_owns_the_pool_is_killed(name: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    pids: Any = ctx.Queue()
+    owner = ctx.Process(target=_owner, args=(name, pids))
+    owner.start()
+    try:
+        workers = pids.get(timeout=READY_S)
+        owner.kill()
+        owner.join(READY_S)
+        wait_for(lambda: not any(pid_alive(pid) for pid in workers), READY_S,
+                 "the workers to see their pipe close")
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join()
+
+
+def test_the_default_size_leaves_the_api_server_a_core() -> None:
+    assert [default_workers(n) for n in (1, 2, 16, 64)] == [1, 1, 15, 63]
+    assert default_workers() >= 1
+    assert "died" in FALLBACKS and STORED not in FALLBACKS
