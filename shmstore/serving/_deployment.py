@@ -98,10 +98,12 @@ class Writers:
 
 
 def open_writer(d: Shape, lock: threading.RLock,
-                make_head: Callable[[Callable[..., Any]], Any]) -> Writers:
+                make_head: Callable[[Callable[..., Any]], Any], *, host: bool = False) -> Writers:
     """The writer for this process's shape: a new store (local), API server 0's through its
     host (remote), or a relay head's channel store (relay, made by `make_head(make)`). `lock`
-    is held around every call of the writer (the WriterHost takes it for its clients)."""
+    is held around every call of the writer (the WriterHost takes it for its clients). A local
+    store is served to other processes with several API servers, or with `host` (a miss pool's
+    workers write it)."""
 
     def make(create: Callable[..., Any]) -> Any:
         try:
@@ -123,7 +125,7 @@ def open_writer(d: Shape, lock: threading.RLock,
     store: StoreWriter = make(lambda **kw: ObjectStore.create(d.name, n_readers=d.n_readers,
                                                              prefault=False, **kw))
     writers = Writers(store, store)
-    if d.api_servers > 1:
+    if d.api_servers > 1 or host:
         try:
             writers.host = WriterHost(store, lock)
         except BaseException:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .._proc import env_seconds, env_switch
+from .._proc import env_seconds, env_switch, int_arg
+from ..errors import InvalidArgument
 from ..serving._deployment import Shape
+from ..serving._pool import default_workers
 from ..store._policy import DEFAULT_POLICY
 from ._env import (
     ACCELERATE_ENV,
@@ -24,6 +26,7 @@ from ._env import (
     LOG_NAME,
     METRICS_DIR_ENV,
     POLICY_ENV,
+    POOL_ENV,
     PUBLISH_ENV,
     REPLACED_ENV,
     SETTLE_ENV,
@@ -53,6 +56,8 @@ class Deployment(Shape):
     accelerate: bool  # lazy images and prompt-update records (vllm/_accel)
     processor_identity: bytes  # vLLM version, model, tokenizer, processor config: 16 bytes
     vocab_size: int  # token ids in a record are below it (0: unknown)
+    pool_workers: int  # this API server's miss pool (serving/_pool.py; 0: none)
+    model_config: Any = field(default=None, compare=False, repr=False)  # for the pool's workers
 
     @classmethod
     def read(cls, vllm_config: Any) -> Deployment:
@@ -95,7 +100,9 @@ class Deployment(Shape):
             metrics_multiprocess=bool(env.get(METRICS_DIR_ENV)),
             accelerate=_accelerate(),
             processor_identity=_processor_identity(vllm_config.model_config, mm),
-            vocab_size=_vocab_size(vllm_config.model_config))
+            vocab_size=_vocab_size(vllm_config.model_config),
+            pool_workers=_pool_workers(api_servers),
+            model_config=vllm_config.model_config)
 
     def keeps_shm(self) -> bool:
         """Whether the user's `shm` stays `shm` where vLLM would fall back to processor-only."""
@@ -119,6 +126,25 @@ def _accelerate() -> bool:
                         "ignored (on)" if old_on else "its 0 turns both off")
             on = on and old_on
     return on
+
+
+MAX_POOL_WORKERS = 256
+
+
+def _pool_workers(api_servers: int) -> int:
+    """This API server's miss pool size: POOL_ENV's number, 0/off (the default) for none, or
+    auto: the node's default (a worker per core less one) shared by its API servers."""
+    raw = os.environ.get(POOL_ENV, "").strip().lower()
+    if raw in ("", "0", "off", "false", "no"):
+        return 0
+    if raw == "auto":
+        return max(1, default_workers() // max(1, api_servers))
+    try:
+        return int_arg(int(raw), POOL_ENV, 0, MAX_POOL_WORKERS)
+    except ValueError:
+        raise InvalidArgument(f"{POOL_ENV}={raw!r} is not a pool size: set a number of worker "
+                              f"processes (0 to {MAX_POOL_WORKERS}), auto, or 0/off", POOL_ENV,
+                              raw) from None
 
 
 def _processor_identity(model: Any, mm: Any) -> bytes:

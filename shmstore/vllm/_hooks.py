@@ -22,6 +22,7 @@ from ._vllm import (
     new_requests,
     processor_inputs,
     receiver_cache,
+    renderer_cache,
     request_id_of,
     resolve_new_request,
 )
@@ -153,8 +154,15 @@ def render_async(original: Any) -> Any:
 
 def process_tokens_async(original: Any) -> Any:
     @functools.wraps(original)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        engine_input = await original(*args, **kwargs)
+    async def wrapper(self: Any, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        sender = renderer_cache(self)
+        if isinstance(sender, ShmstoreSenderCache) and not kwargs.get("skip_mm_cache"):
+            try:
+                await sender.before_processing(self, prompt)
+            except Exception as exc:  # the pool is an acceleration: vLLM's path goes on
+                log.warning("shmstore: the miss pool step failed (%s); vLLM processes the "
+                            "request's items itself", exc)
+        engine_input = await original(self, prompt, *args, **kwargs)
         held = _scope.rendered()
         if held is not None and SENDERS:
             held.numbers.extend(numbers_in(engine_input, handout_number))

@@ -37,6 +37,7 @@ from ..serving._nodes import HeadPublisher
 from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
 from ._accel import RECORD_FIELD, Acceleration, realize_misses
+from ._accel._pool import PoolSender
 from ._deployment import Deployment
 from ._env import LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
@@ -67,7 +68,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._hits = self._total = 0
         self._last = CacheInfo(hits=0, total=0)
         self._lock = threading.RLock()  # around every call of the writer, the host's too
-        self._writers = open_writer(d, self._lock, lambda make: _head(make, d))
+        pooled = bool(d.pool_workers) and d.accelerate and d.shape != "relay"
+        self._writers = open_writer(d, self._lock, lambda make: _head(make, d), host=pooled)
         self._store: WriterAPI = self._writers.store
         self._core = Sender(self._store, self._lock, settle_s=d.settle_s, lease_s=d.lease_s,
                             head=self._writers.head)
@@ -76,6 +78,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self.segment, self.api_server = d.name, d.api_rank
         self.accel = Acceleration(d.accelerate, d.processor_identity, d.vocab_size,
                                   self.ledger.lock)
+        self.pool: PoolSender | None = None
+        if pooled and self.accel.lazy_images:
+            self.pool = PoolSender(d.name, d.pool_workers, d.model_config)
         self._unregister_metrics = _export_metrics(self)
         SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
@@ -113,6 +118,17 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         scope = RequestScope(self.accel.fingerprint(hf_processor_mm_kwargs))
         yield with_cache(inputs, Processing(self, scope))
         self.accel.processed(items)
+
+    async def before_processing(self, renderer: Any, prompt: Any) -> None:
+        """A request's media are loaded and vLLM is about to process it: its new images go to
+        the miss pool first (vllm/_accel/_pool.py), if this API server runs one."""
+        if self.pool is not None:
+            await self.pool.before_processing(renderer, prompt, self.accel.fingerprint,
+                                              self._stored)
+
+    def _stored(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return self._store.cached(keys)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         # a hit needs both the object and P0's prompt updates
@@ -229,6 +245,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def close(self) -> None:
         self._unregister_metrics()
+        if self.pool is not None:
+            self.pool.close()
         self.accel.close()
         self._core.close()
         with self._lock:

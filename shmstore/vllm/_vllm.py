@@ -79,7 +79,9 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "open_image", "install_image_loader", "max_image_pixels", "run_cli",
            "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "request_id_of",
            "feature_data", "features_with_data", "new_requests", "resolve_new_request",
-           "receiver_cache", "processor_inputs", "with_cache", "items_data"]
+           "receiver_cache", "processor_inputs", "with_cache", "items_data", "renderer_cache",
+           "request_hashes", "prompt_kwargs", "build_processor", "load_image", "io_settings",
+           "process_items"]
 
 log = logging.getLogger(LOG_NAME)
 
@@ -200,6 +202,73 @@ def with_cache(inputs: Any, cache: Any) -> Any:
 def items_data(modality_items: Any) -> Any:
     """The data of one modality's ModalityDataItems (a list of media), None if there are none."""
     return getattr(modality_items, "data", None)
+
+
+# -- the miss pool (vllm/_accel/_pool.py) ---------------------------------------------------------
+
+def renderer_cache(renderer: Any) -> Any:
+    """A renderer's multimodal processor cache (None if it has none)."""
+    return getattr(renderer, "mm_processor_cache", None)
+
+
+def request_hashes(renderer: Any, prompt: Any) -> tuple[dict[str, list[str]], Any] | None:
+    """A tokens prompt's item hashes and data items, as the renderer's _process_multimodal
+    makes them for its processor (None: no multimodal data)."""
+    from vllm.multimodal.parse import parse_mm_uuids
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    mm_data = prompt.get("multi_modal_data")
+    if not mm_data:
+        return None
+    processor = renderer.get_mm_processor()
+    items = processor.info.parse_mm_data(mm_data)
+    inputs = ProcessorInputs(
+        list(prompt.get("prompt_token_ids") or ()), items,
+        parse_mm_uuids(prompt.get("multi_modal_uuids")),
+        hf_processor_mm_kwargs=prompt.get("mm_processor_kwargs") or {},
+        media_io_kwargs=prompt.get("media_io_kwargs") or {})
+    return processor._get_mm_hashes(inputs), items
+
+
+def prompt_kwargs(prompt: Any) -> tuple[Any, Any]:
+    """A tokens prompt's (mm_processor_kwargs, media_io_kwargs), {} where unset."""
+    return prompt.get("mm_processor_kwargs") or {}, prompt.get("media_io_kwargs") or {}
+
+
+def build_processor(model_config: Any) -> Any:
+    """vLLM's multimodal processor of `model_config`, as its renderer builds it."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.utils.torch_utils import set_default_torch_num_threads
+
+    with set_default_torch_num_threads():
+        return MULTIMODAL_REGISTRY.create_processor(model_config)
+
+
+def load_image(data: bytes, image_mode: str | None, io_kwargs: dict[str, Any]) -> Any:
+    """vLLM's own load_bytes of an image (its decode, conversion and errors)."""
+    load = ImageMediaIO.load_bytes
+    load = getattr(load, "__wrapped__", load)  # never the lazy loader: the pixels are wanted
+    return load(ImageMediaIO(image_mode=image_mode, **io_kwargs), data)
+
+
+def io_settings(media_io: Any) -> tuple[str | None, dict[str, Any]]:
+    """An ImageMediaIO's (image_mode, kwargs): what load_image needs to load alike."""
+    return media_io.image_mode, dict(media_io.kwargs)
+
+
+def process_items(processor: Any, media: list[Any], hf_kwargs: Any, media_io_kwargs: Any,
+                  cache: Any) -> None:
+    """Run the processor's cached path on `media` (images) with `cache`: each item processed
+    is given to cache.get_and_update_item, as vLLM's own cache gets its missing items."""
+    from vllm.multimodal.processing.context import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+    from vllm.utils.torch_utils import set_default_torch_num_threads
+
+    inputs = ProcessorInputs([], processor.info.parse_mm_data({"image": media}), None,
+                             hf_processor_mm_kwargs=hf_kwargs, media_io_kwargs=media_io_kwargs,
+                             cache=cache)
+    with set_default_torch_num_threads():
+        processor._cached_apply_hf_processor(inputs, TimingContext(enabled=False))
 # the hooks without which images stay eager (a lazy image must be decoded by vLLM's own code)
 IMAGE_HOOKS = ("cached_apply", "missing_items", "uncached_apply")
 

@@ -31,14 +31,19 @@ PROMPT = "USER: <image>\ndescribe the image ASSISTANT:"
 
 
 @pytest.fixture(scope="module")
-def processor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm.config import ModelConfig
+
+    model = build(tmp_path_factory.mktemp("tiny-llava"))
+    return ModelConfig(model=str(model), max_model_len=256, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def processor(model_config: Any) -> Iterator[Any]:
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     install_request_hooks()  # as the plugin does in every process: before the senders
-    model = build(tmp_path_factory.mktemp("tiny-llava"))
-    config = ModelConfig(model=str(model), max_model_len=256, enforce_eager=True)
-    yield MULTIMODAL_REGISTRY.create_processor(config)
+    yield MULTIMODAL_REGISTRY.create_processor(model_config)
 
 
 def jpeg(seed: int, keep: float = 1.0) -> bytes:
@@ -141,3 +146,51 @@ def test_with_the_acceleration_off_every_api_server_processes_as_vllm_does(
     finally:
         for sender in reversed(senders):
             sender.close()
+
+
+@pytest.mark.slow
+def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
+        processor: Any, model_config: Any, node: Any, counted: list[int]) -> None:
+    """A pool worker (vLLM's own processor, in its own process) stores a request's new image
+    before vLLM's thread processes it: there it is a hit that runs no HF processor and decodes
+    nothing, with vLLM alone's prompt ids and placeholders. A corrupt JPEG fails in the pool
+    and gets vLLM's own error on the API server, as without the pool."""
+    import types
+
+    from shmstore.serving._pool import STORED
+    from shmstore.vllm._accel._pool import PoolSender
+    from tests._waiting import wait_for
+
+    (first, second), _ = node
+    renderer = types.SimpleNamespace(get_mm_processor=lambda: processor)
+    pool = PoolSender(first.segment, 1, model_config)
+    try:
+        wait_for(lambda: pool.pool.stats().ready == 1, 240, "the pool's worker")
+
+        def before(data: bytes, sender: Any) -> list[str]:
+            media = ImageMediaIO.load_bytes(ImageMediaIO(), data)  # lazy, as the server loads
+            prompt = {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [media]}}
+            futures = pool.jobs(renderer, prompt, sender.accel.fingerprint, sender._stored)
+            return [f.result(timeout=240) for f in futures]
+
+        for seed, sender in ((40, first), (41, second)):
+            data = jpeg(seed)
+            ids, places, _, _ = run(processor, data, None, counted)  # vLLM alone
+            assert before(data, sender) == [STORED]
+            got = run(processor, data, sender, counted)
+            assert got[:2] == (ids, places)
+            assert got[3] == 0 and isinstance(got[2], LazyImage) and not got[2].realized
+            assert before(data, sender) == []  # stored: nothing goes to the pool again
+        stats = pool.pool.stats()
+        assert (stats.submitted, stats.stored, stats.waited) == (2, 2, 0)
+        assert first.store.stats().puts == 2
+
+        bad = jpeg(42, keep=0.5)
+        assert before(bad, first) == ["failed"]
+        with pytest.raises(ValueError, match="Failed to load image"):
+            run(processor, bad, first, counted)
+        first.release_sender_touches()
+        assert pool.pool.stats().fallback["failed"] == 1
+        assert len(counted) == 2  # vLLM alone's two runs: none on the API servers
+    finally:
+        pool.close()

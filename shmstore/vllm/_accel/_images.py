@@ -25,6 +25,7 @@ from typing import Any
 from .._vllm import (
     MediaWithBytes,
     install_image_loader,
+    io_settings,
     items_data,
     max_image_pixels,
     open_image,
@@ -48,6 +49,11 @@ class LazyImage(MediaWithBytes):  # type: ignore[misc]
             self.media, self.io_config = decoded.media, decoded.io_config
 
     @property
+    def settings(self) -> tuple[str | None, dict[str, Any]]:
+        """The (image_mode, kwargs) of the ImageMediaIO that loaded it (load_image loads alike)."""
+        return self.__dict__["_settings"]  # type: ignore[no-any-return]
+
+    @property
     def realized(self) -> bool:
         return "_decode" not in self.__dict__
 
@@ -62,6 +68,7 @@ def lazy_loader(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes],
             return original(self, data)
         media = LazyImage(header, data, None)
         media.__dict__["_decode"] = functools.partial(original, self, data)
+        media.__dict__["_settings"] = io_settings(self)
         return media
     return load_bytes
 

@@ -1,0 +1,158 @@
+"""The miss pool's vLLM side: a request's new images processed by the pool's workers before the
+request reaches vLLM's one multimodal thread, so that there they are hits.
+
+    API server (event loop)                          pool worker (spawned, serving/_pool.py)
+      _process_tokens_async hook: the request's        make_processor(model_config): vLLM's
+      media are loaded; its item hashes made as        processor for the model, built once
+      vLLM's processor makes them; each lazy           process(job): vLLM's load_bytes of the
+      image (a JPEG not decoded yet) that is           bytes (its decode, its errors), then the
+      not stored goes to the pool: its bytes,          processor's cached path on that one item
+      the request's kwargs, the record's               (the per-item path vLLM's cache takes
+      fingerprint; the request waits for them          for a missing item); the item's tensors
+      (bounded) and goes on to vLLM's thread,          and its prompt-update record are stored
+      where they are hits (no decode, no HF            under the hash vLLM's processor gave it,
+      processor); anything the pool did not            checked against the API server's
+      store is processed there, as without it
+
+Only lazy images go to the pool: an image vLLM loaded eagerly (PNG, rotated or grey JPEG) was
+decoded already, and its processing stays where it is. An item whose prompt updates have no
+record (a model's own closure) is declined: the API server processes it. Every fallback is
+vLLM's own path, so outputs and errors are vLLM's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from ...serving._pool import MissPool, Processor
+from .._env import LOG_NAME
+from .._items import item_to_value
+from .._vllm import (
+    BaseMultiModalProcessorCache,
+    CacheInfo,
+    build_processor,
+    items_data,
+    load_image,
+    process_items,
+    prompt_kwargs,
+    request_hashes,
+)
+from ._images import LazyImage
+from ._records import RECORD_FIELD, write
+
+__all__ = ["PoolSender", "make_processor", "WAIT_S"]
+
+log = logging.getLogger(LOG_NAME)
+WAIT_S = 120.0  # a request waits this long for its items from the pool, then processes them
+MODALITY = "image"
+
+
+class PoolSender:
+    """One API server's way into its miss pool (started in the sender's process)."""
+
+    def __init__(self, store_name: str, workers: int, model_config: Any) -> None:
+        self.pool = MissPool(store_name, Processor(f"{__name__}:make_processor", (model_config,)),
+                             workers=workers, env={"OMP_NUM_THREADS": "1"})
+        self._lock = threading.Lock()
+
+    def jobs(self, renderer: Any, prompt: Any, fingerprint: Callable[[Any], bytes | None],
+             cached: Callable[[list[str]], list[bool]]) -> list[Future[str]]:
+        """Send the request's lazy images that are not stored to the pool; their futures."""
+        found = request_hashes(renderer, prompt)
+        if found is None:
+            return []
+        hashes, items = found
+        keys = hashes.get(MODALITY) or []
+        data = items_data(items.get(MODALITY))
+        if not keys or not isinstance(data, list) or len(data) != len(keys):
+            return []
+        hf_kwargs, media_io_kwargs = prompt_kwargs(prompt)
+        fp = fingerprint(hf_kwargs)
+        if fp is None:
+            return []
+        futures = []
+        stored = cached(keys)
+        for key, image, hit in zip(keys, data, stored, strict=True):
+            if hit or not isinstance(image, LazyImage) or image.realized:
+                continue
+            mode, io_kwargs = image.settings
+            job = {"key": key, "bytes": image.original_bytes, "mode": mode, "io": io_kwargs,
+                   "kwargs": dict(hf_kwargs), "media_io": dict(media_io_kwargs),
+                   "fingerprint": fp}
+            try:
+                futures.append(self.pool.submit(key, job))
+            except Exception as exc:  # kwargs msgpack cannot carry: processed where it is
+                log.debug("shmstore: item %s not sent to the pool (%s)", key, exc)
+        return futures
+
+    async def before_processing(self, renderer: Any, prompt: Any,
+                                fingerprint: Callable[[Any], bytes | None],
+                                cached: Callable[[list[str]], list[bool]]) -> None:
+        """Send the request's new images to the pool and wait (at most WAIT_S) for them."""
+        futures = await asyncio.get_running_loop().run_in_executor(
+            None, self.jobs, renderer, prompt, fingerprint, cached)
+        if not futures:
+            return
+        done, pending = await asyncio.wait([asyncio.wrap_future(f) for f in futures],
+                                           timeout=WAIT_S)
+        for _ in pending:
+            self.pool.count_fallback("timeout")
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+# -- in a pool worker ---------------------------------------------------------------------------
+
+class _Capture(BaseMultiModalProcessorCache):  # type: ignore[misc]
+    """The cache a worker's processor runs with: nothing is cached; the item it processes is
+    kept with its prompt updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: list[tuple[str, Any, Sequence[Any]]] = []
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        return False
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        item, updates = mm_item
+        self.items.append((mm_hash, item, updates))
+        return mm_item
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        pass
+
+    def clear_cache(self) -> None:
+        self.items.clear()
+
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        return CacheInfo(hits=0, total=0)
+
+
+def make_processor(model_config: Any) -> Callable[[dict[str, Any]], Any]:
+    """A pool worker's processor (serving/_pool.py Processor): vLLM's processor of the model;
+    process(job) -> the item's value with its record, None if it has no record."""
+    processor = build_processor(model_config)
+
+    def process(job: dict[str, Any]) -> Any:
+        media = load_image(job["bytes"], job["mode"], job["io"])
+        capture = _Capture()
+        process_items(processor, [media], job["kwargs"], job["media_io"], capture)
+        if len(capture.items) != 1:
+            raise RuntimeError(f"the processor gave {len(capture.items)} items for one image")
+        mm_hash, item, updates = capture.items[0]
+        if mm_hash != job["key"]:  # not the API server's item (its uuids, or another model)
+            return None
+        record = write(updates, job["fingerprint"])
+        if record is None:
+            return None
+        value = item_to_value(item)
+        value[RECORD_FIELD] = record
+        return value
+    return process
