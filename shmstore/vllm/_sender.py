@@ -34,6 +34,7 @@ from ..errors import InvalidArgument, KeyExists
 from ..handle import HandOut
 from ..serving._deployment import open_writer
 from ..serving._nodes import HeadPublisher
+from ..serving._pool import PoolStats
 from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
 from ._accel import RECORD_FIELD, Acceleration, realize_misses
@@ -307,11 +308,34 @@ class _SenderCollector:
             for key, count in values.items():
                 family.add_metric([*labels, key], count)
             yield family
+        if sender.pool is not None:
+            yield from _pool_families(sender.pool.pool.stats(), labels)
         family = CounterMetricFamily("shmstore_inline_fallbacks",
                                      "Values sent inline because too large or store full",
                                      labels=["segment", "api_server"])
         family.add_metric(labels, items["inline"])
         yield family
+
+
+def _pool_families(stats: PoolStats, labels: list[str]) -> Any:
+    """The miss pool's counters and gauges (serving/_pool.py PoolStats) of one API server."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    family = CounterMetricFamily(
+        "shmstore_vllm_pool_items", "Items this API server's miss pool took: sent (to a "
+        "worker), stored, waited (in flight already: single flight), and each fallback reason "
+        "(the item processed on the API server, as without the pool)",
+        labels=["segment", "api_server", "outcome"])
+    counts = {"sent": stats.submitted, "stored": stats.stored, "waited": stats.waited,
+              **stats.fallback}
+    for outcome, count in counts.items():
+        family.add_metric([*labels, outcome], count)
+    yield family
+    gauge = GaugeMetricFamily("shmstore_vllm_pool", "The miss pool now: workers ready, busy, "
+                              "items queued", labels=["segment", "api_server", "what"])
+    for what, value in (("ready", stats.ready), ("busy", stats.busy), ("queued", stats.queued)):
+        gauge.add_metric([*labels, what], value)
+    yield gauge
 
 
 def _export_metrics(sender: ShmstoreSenderCache) -> Any:

@@ -30,10 +30,12 @@ from tests.vllm.tiny_llava import build
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 IMAGES = list(range(6))
 UNDER_RESET = list(range(50, 58))  # new images sent while the cache is reset
-SHAPES = {  # name: (arguments, tensor-parallel size)
-    "api-servers-2-tp-2": (("--api-server-count", "2", "--tensor-parallel-size", "2"), 2),
-    "data-parallel-2": (("--data-parallel-size", "2"), 1),
+SHAPES = {  # name: (arguments, tensor-parallel size, environment)
+    "api-servers-2-tp-2": (("--api-server-count", "2", "--tensor-parallel-size", "2"), 2, {}),
+    # each API server with a miss pool of one worker: a new JPEG is processed there first
+    "data-parallel-2-pool": (("--data-parallel-size", "2"), 1, {"SHMSTORE_VLLM_POOL": "1"}),
 }
+POOL = "shmstore_vllm_pool_items_total"
 CACHE_GB = "0.0005"  # about 13 of these images
 ROUND = 14  # new images per round: more than the store holds
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two workers or engines on the two cores
@@ -117,10 +119,12 @@ def eventually(check: Callable[[], bool], timeout_s: float = 10) -> bool:
 def shaped(request: pytest.FixtureRequest, model: Path,
            tmp_path_factory: pytest.TempPathFactory,
            references: Callable[[int], dict[int, str]]) -> Iterator[tuple[Server, dict[int, str]]]:
-    arguments, tp = SHAPES[request.param]
+    arguments, tp, env = SHAPES[request.param]
     reference = references(tp)  # first: one server at a time
     server = Server(model, new_name("shape"), tmp_path_factory.mktemp("shape") / "server.log",
-                    *arguments, cache_gb=CACHE_GB, env={**BIND, "VLLM_SERVER_DEV_MODE": "1"})
+                    *arguments, cache_gb=CACHE_GB,
+                    env={**BIND, "VLLM_SERVER_DEV_MODE": "1", **env})
+    server.pooled = bool(env)  # type: ignore[attr-defined]
     yield server, reference
     server.stop()
     assert not Path("/dev/shm", server.segment).exists()  # unlinked by API server 0's exit
@@ -159,7 +163,15 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
     JPEG is refused as vLLM refuses it and never stored; a uuid alone works on any API
     server once its image is stored on the node."""
     server, reference = shaped
-    stored = server.metric("shmstore_vllm_items_total", outcome="stored")
+    pooled = server.pooled  # type: ignore[attr-defined]
+
+    def processed() -> float:  # HF processor runs on the node: API servers' and pools'
+        made = server.metric("shmstore_vllm_items_total", outcome="stored")
+        return made + (server.metric(POOL, outcome="stored") if pooled else 0)
+
+    if pooled:  # both pools' workers ready (they load the processor beside the engines)
+        assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 2, 240)
+    stored = processed()
     skipped = server.metric("shmstore_vllm_skipped_total", what="processor")
     story = jpeg_story(server, media)
     assert story == {k: v for k, v in reference.items() if k in story}
@@ -181,10 +193,16 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
     assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="decode") >= 6)
     # one HF run per image on the node: the 3 JPEGs, the one by URL and the uuid's; nothing
     # for the corrupt one or the failing URL
-    assert eventually(lambda: server.metric("shmstore_vllm_items_total", outcome="stored")
-                      == stored + len(JPEGS) + 2)
+    assert eventually(lambda: processed() == stored + len(JPEGS) + 2)
     assert server.metric("shmstore_vllm_items_total", outcome="shared") == 0
     assert server.metric("shmstore_vllm_records_refused_total") == 0
+    if pooled:  # the new JPEGs by data URL and by URL went to the pools; the corrupt one
+        # failed there twice (then got vLLM's error above); the uuid's item is not the
+        # pool's (its hash is the uuid): declined, processed on its API server
+        assert eventually(lambda: server.metric(POOL, outcome="stored") == len(JPEGS) + 1)
+        assert server.metric(POOL, outcome="failed") == 2
+        assert server.metric(POOL, outcome="declined") == 1
+        assert server.metric(POOL, outcome="died") == 0
 
 
 def test_refused_requests_on_any_api_server_never_wedge_the_store(
