@@ -10,6 +10,7 @@ items into these.
                    open_writer, which picks this process's writer by shape
     _pool.py       MissPool: misses processed by worker processes straight into the store,
                    one processing per key in flight, every failure a fallback outcome
+    _pool_share.py PoolHost and PoolClient: one pool per node, served to its other API servers
     _log.py        the core's logger, sent through the engine's own (log_to)
 
 May import: errors, handle, _proc, shm, serde, store, queue, cache, relay.

@@ -52,6 +52,7 @@ START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loadin
 BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
 STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
 _READY, _BROKEN = "ready", "broken"  # what a worker says once, before any outcome
+ALREADY = "stored already"  # a STORED answer's detail when the worker did not run
 
 
 def default_workers(cores: int | None = None) -> int:
@@ -80,7 +81,8 @@ class Processor:
 @dataclass(frozen=True)
 class PoolStats:
     """The pool now: workers (ready, busy, starting), jobs queued, and counts since it started:
-    submitted (jobs sent to a worker), stored, waited (a key already in flight: single flight),
+    submitted (jobs sent to a worker), processed (jobs a worker ran the processor for: not
+    those it found stored already), stored, waited (a key already in flight: single flight),
     fallback (by reason), restarts (workers started again after dying)."""
 
     workers: int
@@ -88,6 +90,7 @@ class PoolStats:
     busy: int
     queued: int
     submitted: int
+    processed: int
     stored: int
     waited: int
     restarts: int
@@ -125,9 +128,11 @@ class MissPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._flight: dict[str, Future[str]] = {}
+        self._ended: list[tuple[Future[str], str]] = []  # set by _flush, out of the lock
         self._queue: deque[tuple[str, bytes]] = deque()
         self._workers: list[_Worker] = []
-        self._counts = dict.fromkeys(("submitted", "stored", "waited", "restarts"), 0)
+        self._counts = dict.fromkeys(("submitted", "processed", "stored", "waited", "restarts"),
+                                     0)
         self._fallback = dict.fromkeys(FALLBACKS, 0)
         self._failed_starts = 0
         self.broken = ""  # why the pool stopped starting workers ("" while it runs)
@@ -150,17 +155,21 @@ class MissPool:
     def submit(self, key: str, job: Any) -> Future[str]:
         """A future of `key`'s outcome (STORED or a FALLBACKS reason). A key in flight gets the
         future of the job already running (counted as waited). Any thread."""
+        return self.join(key, job)[0]
+
+    def join(self, key: str, job: Any) -> tuple[Future[str], bool]:
+        """submit, and whether the key was in flight already (waited for, not sent again)."""
         with self._lock:
             running = self._flight.get(key)
             if running is not None:
                 self._counts["waited"] += 1
-                return running
+                return running, True
             reason = self._refusal()
             if reason:
                 self._fallback[reason] += 1
                 done: Future[str] = Future()
                 done.set_result(reason)
-                return done
+                return done, False
             try:
                 frame = msgpack.packb([key, job], use_bin_type=True)
             except (TypeError, ValueError, OverflowError) as exc:
@@ -170,7 +179,7 @@ class MissPool:
             self._flight[key] = future
             self._queue.append((key, frame))
         self._wake()
-        return future
+        return future, False
 
     def _refusal(self) -> str:
         """Why a new job cannot be taken now ("" if it can); under the lock."""
@@ -234,11 +243,13 @@ class MissPool:
                     if ready == self._wake_r:
                         os.read(self._wake_r, 4096)
                 self._collect()
+                self._flush()
         except Exception:  # a bug here: every job falls back from now on, nothing hangs
             log.exception("shmstore: miss pool of store %r stopped", self.store_name)
             with self._lock:
                 self.broken = "its dispatcher failed"
                 self._fail_all("unavailable")
+            self._flush()
 
     def _assign(self) -> None:
         """Send queued jobs to ready, idle workers; under the lock."""
@@ -302,6 +313,8 @@ class MissPool:
         key, w.key = w.key, None
         if key is None:
             return
+        if detail != ALREADY:
+            self._counts["processed"] += 1
         if outcome == STORED:
             self._counts["stored"] += 1
         else:
@@ -311,9 +324,19 @@ class MissPool:
         self._settle(key, outcome)
 
     def _settle(self, key: str, outcome: str) -> None:
+        """`key`'s job ended; its future is set once the lock is released (_flush): its
+        callbacks (another process's answer, an event loop's wake-up) never run under it."""
         future = self._flight.pop(key, None)
-        if future is not None and not future.done():
-            future.set_result(outcome)
+        if future is not None:
+            self._ended.append((future, outcome))
+
+    def _flush(self) -> None:
+        """Set the futures of the jobs that ended; not under the lock."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        for future, outcome in ended:
+            if not future.done():
+                future.set_result(outcome)
 
     def _replace(self, w: _Worker) -> _Worker | None:
         """`w` died (or never got ready): its job falls back, and a new worker starts unless
@@ -358,6 +381,7 @@ class MissPool:
                 self._fallback["closed"] += 1
                 self._settle(key, "closed")
             workers, self._workers = self._workers, []
+        self._flush()
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(STOP_TIMEOUT_S)
@@ -413,6 +437,13 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
                 key, job = msgpack.unpackb(conn.recv_bytes(), raw=False)
             except (EOFError, OSError):
                 return  # the pool closed, or its process is gone
+            try:  # stored meanwhile (sent again just after it was stored): not run again
+                if writer.cached([key])[0]:
+                    say(STORED, ALREADY)
+                    continue
+            except ShmStoreError as exc:
+                say("failed", f"{type(exc).__name__}: {exc}")
+                continue
             try:
                 value = process(job)
             except Exception as exc:

@@ -342,11 +342,11 @@ def parse_request(frame: Any) -> tuple[str, list[Any], bool]:
     return frame[0], args, posted
 
 
-def send_frame(sock: socket.socket, obj: Any) -> None:
+def send_frame(sock: socket.socket, obj: Any, limit: int = MAX_FRAME_BYTES) -> None:
     body = msgpack.packb(obj, use_bin_type=True)
-    if len(body) > MAX_FRAME_BYTES:  # refused before sending: the connection stays usable
+    if len(body) > limit:  # refused before sending: the connection stays usable
         raise InvalidArgument(f"a {obj[0]!r} request of {len(body)} bytes is over the "
-                              f"{MAX_FRAME_BYTES}-byte frame limit: use shorter keys (a content "
+                              f"{limit}-byte frame limit: use shorter keys (a content "
                               "hash) or fewer at once", "request", len(body))
     sock.sendall(LENGTH.pack(len(body)) + body)
 
@@ -362,14 +362,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def recv_frame(sock: socket.socket) -> Any:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Any:
     """The next frame, None when the peer closed; ProtocolError for a frame out of bounds."""
     head = _recv_exact(sock, LENGTH.size)
     if head is None:
         return None
     (size,) = LENGTH.unpack(head)
-    if not 0 < size <= MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {size} bytes (1..{MAX_FRAME_BYTES} allowed)")
+    if not 0 < size <= limit:
+        raise ProtocolError(f"frame of {size} bytes (1..{limit} allowed)")
     body = _recv_exact(sock, size)
     if body is None:
         return None

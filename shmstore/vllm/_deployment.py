@@ -56,7 +56,7 @@ class Deployment(Shape):
     accelerate: bool  # lazy images and prompt-update records (vllm/_accel)
     processor_identity: bytes  # vLLM version, model, tokenizer, processor config: 16 bytes
     vocab_size: int  # token ids in a record are below it (0: unknown)
-    pool_workers: int  # this API server's miss pool (serving/_pool.py; 0: none)
+    pool_workers: int  # the node's miss pool (serving/_pool.py; 0: none)
     model_config: Any = field(default=None, compare=False, repr=False)  # for the pool's workers
 
     @classmethod
@@ -101,7 +101,7 @@ class Deployment(Shape):
             accelerate=_accelerate(),
             processor_identity=_processor_identity(vllm_config.model_config, mm),
             vocab_size=_vocab_size(vllm_config.model_config),
-            pool_workers=_pool_workers(api_servers),
+            pool_workers=_pool_workers(),
             model_config=vllm_config.model_config)
 
     def keeps_shm(self) -> bool:
@@ -131,14 +131,14 @@ def _accelerate() -> bool:
 MAX_POOL_WORKERS = 256
 
 
-def _pool_workers(api_servers: int) -> int:
-    """This API server's miss pool size: POOL_ENV's number, 0/off (the default) for none, or
-    auto: the node's default (a worker per core less one) shared by its API servers."""
+def _pool_workers() -> int:
+    """The node's miss pool size (its API servers share one): POOL_ENV's number, 0/off (the
+    default) for none, or auto: a worker per core less one (serving/_pool.py)."""
     raw = os.environ.get(POOL_ENV, "").strip().lower()
     if raw in ("", "0", "off", "false", "no"):
         return 0
     if raw == "auto":
-        return max(1, default_workers() // max(1, api_servers))
+        return default_workers()
     try:
         return int_arg(int(raw), POOL_ENV, 0, MAX_POOL_WORKERS)
     except ValueError:

@@ -81,7 +81,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                                   self.ledger.lock)
         self.pool: PoolSender | None = None
         if pooled and self.accel.lazy_images:
-            self.pool = PoolSender(d.name, d.pool_workers, d.model_config)
+            local = self._writers.local
+            self.pool = PoolSender(d.name, d.pool_workers, d.model_config,
+                                   owner=local is not None, serve_others=d.api_servers > 1,
+                                   epoch=0 if local is None else local.epoch)
         self._unregister_metrics = _export_metrics(self)
         SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
@@ -309,7 +312,9 @@ class _SenderCollector:
                 family.add_metric([*labels, key], count)
             yield family
         if sender.pool is not None:
-            yield from _pool_families(sender.pool.pool.stats(), labels)
+            pool = sender.pool.pool
+            yield from _pool_families(sender.pool.snapshot(),
+                                      None if pool is None else pool.stats(), labels)
         family = CounterMetricFamily("shmstore_inline_fallbacks",
                                      "Values sent inline because too large or store full",
                                      labels=["segment", "api_server"])
@@ -317,22 +322,30 @@ class _SenderCollector:
         yield family
 
 
-def _pool_families(stats: PoolStats, labels: list[str]) -> Any:
-    """The miss pool's counters and gauges (serving/_pool.py PoolStats) of one API server."""
+def _pool_families(counts: dict[str, int], stats: PoolStats | None, labels: list[str]) -> Any:
+    """One API server's items sent to the node's miss pool, by outcome; and, from the API
+    server that runs the pool, the pool now (serving/_pool.py PoolStats)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     family = CounterMetricFamily(
-        "shmstore_vllm_pool_items", "Items this API server's miss pool took: sent (to a "
-        "worker), stored, waited (in flight already: single flight), and each fallback reason "
-        "(the item processed on the API server, as without the pool)",
+        "shmstore_vllm_pool_items", "Items this API server sent to the node's miss pool: sent, "
+        "stored (by a pool worker), waited (in flight on the node already: single flight), "
+        "and each fallback reason (the item processed on the API server, as without the pool)",
         labels=["segment", "api_server", "outcome"])
-    counts = {"sent": stats.submitted, "stored": stats.stored, "waited": stats.waited,
-              **stats.fallback}
     for outcome, count in counts.items():
         family.add_metric([*labels, outcome], count)
     yield family
-    gauge = GaugeMetricFamily("shmstore_vllm_pool", "The miss pool now: workers ready, busy, "
-                              "items queued", labels=["segment", "api_server", "what"])
+    if stats is None:
+        return
+    family = CounterMetricFamily(
+        "shmstore_vllm_pool_runs", "The node's miss pool: items its workers ran the processor "
+        "for (processed) and workers started again after dying (restarts)",
+        labels=["segment", "api_server", "what"])
+    for what, count in (("processed", stats.processed), ("restarts", stats.restarts)):
+        family.add_metric([*labels, what], count)
+    yield family
+    gauge = GaugeMetricFamily("shmstore_vllm_pool", "The node's miss pool now: workers ready, "
+                              "busy, items queued", labels=["segment", "api_server", "what"])
     for what, value in (("ready", stats.ready), ("busy", stats.busy), ("queued", stats.queued)):
         gauge.add_metric([*labels, what], value)
     yield gauge

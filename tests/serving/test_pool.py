@@ -216,3 +216,16 @@ def test_the_default_size_leaves_the_api_server_a_core() -> None:
     assert [default_workers(n) for n in (1, 2, 16, 64)] == [1, 1, 15, 63]
     assert default_workers() >= 1
     assert "died" in FALLBACKS and STORED not in FALLBACKS
+
+
+def test_a_key_stored_meanwhile_is_not_processed_again(name: str, tmp_path: Any) -> None:
+    """Sent just after another process stored it (the check and the submit are not one step):
+    the worker finds it stored and answers STORED without running the processor."""
+    gate = str(tmp_path)
+    with hosted(name) as writer, pool_of(name, 1, gate) as pool:
+        writer.put("pre", {"data": np.zeros(8, np.uint8)})
+        assert outcome(pool, "pre", {"bytes": b"p"}) == STORED
+        assert outcome(pool, "new", {"bytes": b"n"}) == STORED
+        stats = pool.stats()
+        assert (stats.submitted, stats.processed, stats.stored) == (2, 1, 2)
+        assert len(started(gate)) == 1  # only "new" ran the processor

@@ -163,8 +163,9 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
 
     (first, second), _ = node
     renderer = types.SimpleNamespace(get_mm_processor=lambda: processor)
-    pool = PoolSender(first.segment, 1, model_config)
+    pool = PoolSender(first.segment, 1, model_config, owner=True, serve_others=False)
     try:
+        assert pool.pool is not None
         wait_for(lambda: pool.pool.stats().ready == 1, 240, "the pool's worker")
 
         def before(data: bytes, sender: Any) -> list[str]:
@@ -183,6 +184,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
             assert before(data, sender) == []  # stored: nothing goes to the pool again
         stats = pool.pool.stats()
         assert (stats.submitted, stats.stored, stats.waited) == (2, 2, 0)
+        assert pool.snapshot()["sent"] == pool.snapshot()["stored"] == 2
         assert first.store.stats().puts == 2
 
         bad = jpeg(42, keep=0.5)

@@ -32,7 +32,8 @@ IMAGES = list(range(6))
 UNDER_RESET = list(range(50, 58))  # new images sent while the cache is reset
 SHAPES = {  # name: (arguments, tensor-parallel size, environment)
     "api-servers-2-tp-2": (("--api-server-count", "2", "--tensor-parallel-size", "2"), 2, {}),
-    # each API server with a miss pool of one worker: a new JPEG is processed there first
+    # the node's miss pool of one worker (in API server 0, the other one its client): a new
+    # JPEG is processed there first
     "data-parallel-2-pool": (("--data-parallel-size", "2"), 1, {"SHMSTORE_VLLM_POOL": "1"}),
 }
 POOL = "shmstore_vllm_pool_items_total"
@@ -169,8 +170,8 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
         made = server.metric("shmstore_vllm_items_total", outcome="stored")
         return made + (server.metric(POOL, outcome="stored") if pooled else 0)
 
-    if pooled:  # both pools' workers ready (they load the processor beside the engines)
-        assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 2, 240)
+    if pooled:  # the pool's worker ready (it loads the processor beside the engines)
+        assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 1, 240)
     stored = processed()
     skipped = server.metric("shmstore_vllm_skipped_total", what="processor")
     story = jpeg_story(server, media)
@@ -203,6 +204,37 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
         assert server.metric(POOL, outcome="failed") == 2
         assert server.metric(POOL, outcome="declined") == 1
         assert server.metric(POOL, outcome="died") == 0
+
+
+def test_one_processing_per_new_photo_on_the_node_under_concurrent_requests(
+        shaped: tuple[Server, dict[Any, Any]]) -> None:
+    """Each new JPEG sent by several clients at once, to whichever API server: the node's pool
+    processes it once (single flight), no API server runs the HF processor for it, and every
+    request is answered."""
+    server, _ = shaped
+    if not server.pooled:  # type: ignore[attr-defined]
+        pytest.skip("the shape without a miss pool")
+    assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 1, 240)
+    seeds, copies = [90, 91, 92, 93], 4
+    runs = server.metric("shmstore_vllm_pool_runs_total", what="processed")
+    here = server.metric("shmstore_vllm_items_total", outcome="stored")
+    answers: list[Any] = []
+
+    def ask(seed: int) -> None:
+        answers.append(said(server, jpeg_part(seed)))
+
+    threads = [threading.Thread(target=ask, args=(s,)) for s in seeds for _ in range(copies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(answers) == len(seeds) * copies
+    assert all(isinstance(a, str) for a in answers), answers  # no error, no lost request
+    assert eventually(lambda: server.metric("shmstore_vllm_pool_runs_total", what="processed")
+                      == runs + len(seeds))
+    assert server.metric("shmstore_vllm_items_total", outcome="stored") == here
+    assert server.metric("shmstore_vllm_items_total", outcome="shared") == 0
+    assert server.metric(POOL, outcome="died") == 0
 
 
 def test_refused_requests_on_any_api_server_never_wedge_the_store(

@@ -7,6 +7,9 @@ arrives, the HF processor run in each API server for each item it has not proces
                    never decodes its image
     _records.py    an item's resolved prompt updates as a record stored beside its tensors, so
                    that a hit on an item another API server processed skips the HF processor
+    _pool.py       the miss pool's vLLM side (SHMSTORE_VLLM_POOL): a request's new images
+                   processed by the node's pool workers before vLLM's one multimodal thread
+                   reaches them, where they are then hits
 
 The sender holds one Acceleration and calls it at three places of a request's processing
 (`fingerprint` when it begins, `record` for each miss it stores, `updates` for each hit it

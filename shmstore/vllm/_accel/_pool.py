@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ...serving._pool import MissPool, Processor
+from ...serving._pool import FALLBACKS, MissPool, Processor
+from ...serving._pool_share import PoolClient, PoolHost
 from .._env import LOG_NAME
 from .._items import item_to_value
 from .._vllm import (
@@ -53,12 +54,57 @@ MODALITY = "image"
 
 
 class PoolSender:
-    """One API server's way into its miss pool (started in the sender's process)."""
+    """One API server's way into the node's miss pool: the pool itself on the API server that
+    writes the store (served to the others with several API servers), a PoolClient of it on
+    the others. `counts` are this API server's: items sent, stored, waited for (in flight on
+    the node already) and each fallback reason."""
 
-    def __init__(self, store_name: str, workers: int, model_config: Any) -> None:
-        self.pool = MissPool(store_name, Processor(f"{__name__}:make_processor", (model_config,)),
-                             workers=workers, env={"OMP_NUM_THREADS": "1"})
+    def __init__(self, store_name: str, workers: int, model_config: Any, *, owner: bool,
+                 serve_others: bool, epoch: int = 0) -> None:
+        self.pool: MissPool | None = None
+        self._host: PoolHost | None = None
+        self._client: PoolClient | None = None
         self._lock = threading.Lock()
+        self.counts = dict.fromkeys(("sent", "stored", "waited", *FALLBACKS), 0)
+        if owner:
+            self.pool = MissPool(store_name,
+                                 Processor(f"{__name__}:make_processor", (model_config,)),
+                                 workers=workers, env={"OMP_NUM_THREADS": "1"})
+            if serve_others:
+                try:
+                    self._host = PoolHost(self.pool, store_name, epoch)
+                except BaseException:
+                    self.pool.close()
+                    raise
+        else:
+            self._client = PoolClient(store_name)
+
+    def submit(self, key: str, job: Any) -> Future[str]:
+        """Send one item's job to the node's pool; its outcome is counted when it comes."""
+        if self.pool is not None:
+            future, waited = self.pool.join(key, job)
+        elif self._client is not None:
+            future, waited = self._client.submit(key, job), False  # its answers count waits
+        else:
+            raise RuntimeError("the miss pool sender has neither a pool nor a client")
+        with self._lock:
+            self.counts["sent"] += 1
+            self.counts["waited"] += waited
+        future.add_done_callback(self._count)
+        return future
+
+    def _count(self, future: Future[str]) -> None:
+        outcome = future.result()
+        with self._lock:
+            self.counts[outcome if outcome in self.counts else "failed"] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        """This API server's counts now (a client's waits as its answers said)."""
+        with self._lock:
+            counts = dict(self.counts)
+        if self._client is not None:
+            counts["waited"] = self._client.waited
+        return counts
 
     def jobs(self, renderer: Any, prompt: Any, fingerprint: Callable[[Any], bytes | None],
              cached: Callable[[list[str]], list[bool]]) -> list[Future[str]]:
@@ -85,7 +131,7 @@ class PoolSender:
                    "kwargs": dict(hf_kwargs), "media_io": dict(media_io_kwargs),
                    "fingerprint": fp}
             try:
-                futures.append(self.pool.submit(key, job))
+                futures.append(self.submit(key, job))
             except Exception as exc:  # kwargs msgpack cannot carry: processed where it is
                 log.debug("shmstore: item %s not sent to the pool (%s)", key, exc)
         return futures
@@ -98,13 +144,16 @@ class PoolSender:
             None, self.jobs, renderer, prompt, fingerprint, cached)
         if not futures:
             return
-        done, pending = await asyncio.wait([asyncio.wrap_future(f) for f in futures],
-                                           timeout=WAIT_S)
-        for _ in pending:
-            self.pool.count_fallback("timeout")
+        _, pending = await asyncio.wait([asyncio.wrap_future(f) for f in futures],
+                                        timeout=WAIT_S)
+        if pending:
+            with self._lock:
+                self.counts["timeout"] += len(pending)
 
     def close(self) -> None:
-        self.pool.close()
+        for part in (self._client, self._host, self.pool):
+            if part is not None:
+                part.close()
 
 
 # -- in a pool worker ---------------------------------------------------------------------------
