@@ -17,6 +17,10 @@ Configurations (each a fresh server, run one after another, in rounds when --rep
     one-lru         one API server, TP 2, vLLM's default lru cache
     one-vllm-shm    one API server, TP 2, vLLM's own shm cache (SHMSTORE_VLLM=0)
     one-shmstore    one API server, TP 2, shmstore
+    one-pool        one-shmstore with the node's miss pool of 1 worker (SHMSTORE_VLLM_POOL=1)
+    one-pool2       the same with 2 workers: two processing processes, as api2-fallback has
+    api2-pool       api2-shmstore with a miss pool of 1 worker (the pool configurations run
+                    only when named in --configs)
     api4-fallback   --api-server-count 4 --tensor-parallel-size 2, processor_only (not run
     api4-shmstore   unless named in --configs: six processes of vLLM on two cores)
 
@@ -78,23 +82,31 @@ API2 = ("--api-server-count", "2", "--tensor-parallel-size", "2")
 API4 = ("--api-server-count", "4", "--tensor-parallel-size", "2")
 DP2 = ("--data-parallel-size", "2")
 ONE = ("--tensor-parallel-size", "2")
-CONFIGS = {  # name: (arguments, cache type, shmstore on)
-    "api2-fallback": (API2, "shm", False),
-    "api2-shmstore": (API2, "shm", True),
-    "dp2-fallback": (DP2, "shm", False),
-    "dp2-shmstore": (DP2, "shm", True),
-    "one-lru": (ONE, "lru", False),
-    "one-vllm-shm": (ONE, "shm", False),
-    "one-shmstore": (ONE, "shm", True),
-    "api4-fallback": (API4, "shm", False),
-    "api4-shmstore": (API4, "shm", True),
+POOL1, POOL2 = {"SHMSTORE_VLLM_POOL": "1"}, {"SHMSTORE_VLLM_POOL": "2"}
+CONFIGS: dict[str, tuple[tuple[str, ...], str, bool, dict[str, str]]] = {
+    # name: (arguments, cache type, shmstore on, environment)
+    "api2-fallback": (API2, "shm", False, {}),
+    "api2-shmstore": (API2, "shm", True, {}),
+    "api2-pool": (API2, "shm", True, POOL1),
+    "dp2-fallback": (DP2, "shm", False, {}),
+    "dp2-shmstore": (DP2, "shm", True, {}),
+    "one-lru": (ONE, "lru", False, {}),
+    "one-vllm-shm": (ONE, "shm", False, {}),
+    "one-shmstore": (ONE, "shm", True, {}),
+    "one-pool": (ONE, "shm", True, POOL1),
+    "one-pool2": (ONE, "shm", True, POOL2),
+    "api4-fallback": (API4, "shm", False, {}),
+    "api4-shmstore": (API4, "shm", True, {}),
 }
-DEFAULT_CONFIGS = [c for c in CONFIGS if not c.startswith("api4")]
+DEFAULT_CONFIGS = [c for c in CONFIGS if not c.startswith("api4") and "pool" not in c]
 PAIRS = [("api2-shmstore", "api2-fallback"), ("api4-shmstore", "api4-fallback"),
          ("dp2-shmstore", "dp2-fallback"),
-         ("one-shmstore", "one-vllm-shm"), ("one-shmstore", "one-lru")]
+         ("one-shmstore", "one-vllm-shm"), ("one-shmstore", "one-lru"),
+         ("one-pool", "one-vllm-shm"), ("one-pool", "one-shmstore"),
+         ("api2-pool", "api2-fallback"),
+         ("one-pool2", "api2-fallback")]  # two processing processes each, at equal CPU
 MIXES = ("0%", "100%", "zipf")
-CONCURRENCY = (1, 4)
+CONCURRENCY = [1, 4]  # --concurrency
 HOT = 4  # images of the 100% mix
 API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's cache)
 POOL = 64  # images the zipf mix draws from
@@ -224,26 +236,31 @@ def group_processes(pgid: int) -> list[Path]:
     return found
 
 
-def cpu_seconds(pgid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) so far of the server's API server processes, and of all
-    its processes. vLLM titles its API servers APIServer_N when it runs several; with one,
-    the server's first process (pid = pgid) is the API server."""
+def cpu_seconds(pgid: int) -> tuple[float, float, float]:
+    """CPU seconds (user + system) so far of the server's API server processes, of all its
+    processes, and of its miss pool's workers. vLLM titles its API servers APIServer_N when it
+    runs several; with one, the server's first process (pid = pgid) is the API server. A pool
+    worker names itself shmstore-pool (/proc/PID/comm). A pool worker that exits between two
+    reads takes its seconds with it: compare cells, not single numbers."""
     tick = os.sysconf("SC_CLK_TCK")
-    api = total = first = 0.0
+    api = total = first = pool = 0.0
     for entry in group_processes(pgid):
         try:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()
             seconds = (int(fields[11]) + int(fields[12])) / tick
             title = (entry / "cmdline").read_bytes()
+            comm = (entry / "comm").read_text().strip()
         except (OSError, ValueError):
             continue
         total += seconds
         if b"APIServer" in title:
             api += seconds
+        if comm == "shmstore-pool":
+            pool += seconds
         if int(entry.name) == pgid:
             first = seconds
-    return api or first, total
+    return api or first, total, pool
 
 
 def run_cell(server: Server, seeds: list[int], concurrency: int,
@@ -282,7 +299,8 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
             "requests_per_s": len(times) / wall, "n": len(times),
             "ipc_mb_per_request": serialized / len(times) / 1e6,
             "api_cpu_ms_per_request": 1e3 * (cpu_after[0] - cpu_before[0]) / len(times),
-            "server_cpu_ms_per_request": 1e3 * (cpu_after[1] - cpu_before[1]) / len(times)}
+            "server_cpu_ms_per_request": 1e3 * (cpu_after[1] - cpu_before[1]) / len(times),
+            "pool_cpu_ms_per_request": 1e3 * (cpu_after[2] - cpu_before[2]) / len(times)}
 
 
 def pss_bytes(pgid: int) -> int:
@@ -313,14 +331,14 @@ def shm_bytes() -> int:
 
 def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
                mixes: list[str], cache_gb: str = "1") -> dict[str, Any]:
-    arguments, cache_type, shmstore = CONFIGS[name]
+    arguments, cache_type, shmstore, extra_env = CONFIGS[name]
     counts = log_dir / f"{name}-ipc"
     counts.mkdir(exist_ok=True)
     for old in counts.iterdir():
         old.unlink()
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0",
            "PYTHONPATH": f"{ROOT / 'bench' / 'ipc_bytes'}:{ROOT}",
-           "SHMSTORE_BENCH_BYTES_DIR": str(counts)}
+           "SHMSTORE_BENCH_BYTES_DIR": str(counts), **extra_env}
     shm_before = shm_bytes()
     max_len = max(1024, 2 * (image_size // 14) ** 2)  # two prompts' worth of image tokens
     server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
@@ -361,6 +379,7 @@ def main() -> None:
     parser.add_argument("--source", choices=("data", "url"), default="data",
                         help="photos as base64 data URLs or from an HTTP server on 127.0.0.1")
     parser.add_argument("--mixes", default=",".join(MIXES), help="hit mixes to run")
+    parser.add_argument("--concurrency", default="1,4", help="clients of each cell")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT p50 per cell and configuration")
     parser.add_argument("--from-json", type=Path, help="report (and plot) a saved --json run")
@@ -372,6 +391,7 @@ def main() -> None:
             plot(result, args.plot)
         return
     n = 6 if args.quick else args.n
+    CONCURRENCY[:] = [int(c) for c in args.concurrency.split(",")]
     global IMAGES
     IMAGES = Images(args.photo_mp, args.source)
     names = [c for c in args.configs.split(",") if c]
@@ -430,6 +450,8 @@ def report(result: dict[str, Any]) -> None:
                   + f" {v['ttft_p99_ms']:7.1f} {v['requests_per_s']:6.2f}/s"
                   + ("" if cpu is None else
                      f" cpu {cpu:6.1f} / {v['server_cpu_ms_per_request']:6.1f} ms")
+                  + ("" if not v.get("pool_cpu_ms_per_request") else
+                     f" (pool {v['pool_cpu_ms_per_request']:5.1f} ms)")
                   + ("" if ipc is None else f" {ipc:7.3f} MB serialized"))
     print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, API-server "
           "CPU per request, server CPU per request, MB serialized between the server's "

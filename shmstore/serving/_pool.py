@@ -52,6 +52,7 @@ START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loadin
 BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
 STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
 _READY, _BROKEN = "ready", "broken"  # what a worker says once, before any outcome
+WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
 ALREADY = "stored already"  # a STORED answer's detail when the worker did not run
 
 
@@ -418,6 +419,9 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
                  env: dict[str, str]) -> None:
     """Build the processor, say ready, then answer each job until the pipe closes."""
     os.environ.update(env)
+    with contextlib.suppress(OSError):  # the name ps and /proc/PID/comm show
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(WORKER_NAME)
     from ..errors import KeyExists, ObjectTooLarge, ShmStoreError, StoreFull
     from ..store._remote import RemoteWriter
 
