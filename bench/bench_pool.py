@@ -4,7 +4,11 @@ multimodal thread does for a miss), against the pool (serving/_pool.py with vLLM
 vllm/_accel/_pool.py) with 1 and 2 workers storing straight into the store. Misses/s, and CPU
 per miss from /proc (the workers' and this process's), in interleaved rounds.
 
-    OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 12] [--megapixels 3] [--rounds 3]
+    OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 16] [--megapixels 3] [--rounds 3]
+                                                 [--model llava|llava_next] [--image-size 56]
+
+--model llava_next: the tiny LLaVA-NeXT (anyres: up to 4 tiles and the whole image per item),
+whose processor costs more per item than LLaVA-1.5's.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ def main() -> None:
     parser.add_argument("--photos", type=int, default=12)
     parser.add_argument("--megapixels", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=("llava", "llava_next"), default="llava")
+    parser.add_argument("--image-size", type=int, default=56, help="the model's image size")
     args = parser.parse_args()
     from vllm.config import ModelConfig
 
@@ -91,8 +97,8 @@ def main() -> None:
     from tests.vllm.tiny_llava import build
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = ModelConfig(model=str(build(Path(tmp))), max_model_len=256,
-                             enforce_eager=True)
+        model = build(Path(tmp), image_size=args.image_size, kind=args.model)
+        config = ModelConfig(model=str(model), max_model_len=8192, enforce_eager=True)
         process = make_processor(config)
         vllm_processor = build_processor(config)
         photos = [photo(seed, args.megapixels) for seed in range(args.photos)]
@@ -127,7 +133,8 @@ def main() -> None:
             store.close()
     base_rate = statistics.median(r[0] for r in results["in process"])
     base_cpu = statistics.median(r[1] for r in results["in process"])
-    print(f"{args.photos} new {args.megapixels:g} MP JPEG photos, tiny LLaVA's processor, "
+    print(f"{args.photos} new {args.megapixels:g} MP JPEG photos, the tiny {args.model}'s "
+          f"processor at {args.image_size} px, "
           f"{args.rounds} interleaved rounds (median, [min-max])")
     print("path          misses/s            x in-process   CPU ms/miss        x in-process")
     for label, runs in results.items():

@@ -406,6 +406,7 @@ def main() -> None:
     IMAGES.close()
     result = summarize(runs)
     result["image_size"] = args.image_size
+    result["repeats"] = args.repeats
     result["photo_mp"], result["source"] = args.photo_mp, args.source
     report(result)
     if args.json:
@@ -493,8 +494,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("TTFT p50, ms")
         ax.set_title(f"{mine} vs {theirs}")
         ax.legend(fontsize=8)
-    fig.suptitle(f"real vllm serve, {result.get('image_size', '?')} px images, one run "
-                 "(2-core machine: compare bars in one panel)")
+    rounds = result.get("repeats", 1)
+    photos = result.get("photo_mp") or 0
+    fig.suptitle(f"real vllm serve, {result.get('image_size', '?')} px images, "
+                 + (f"{photos:g} MP JPEG clients, " if photos else "")
+                 + (f"median of {rounds} rounds" if rounds > 1 else "one run")
+                 + " (2-core machine: compare bars in one panel)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -46,10 +47,12 @@ __all__ = ["MissPool", "PoolStats", "Processor", "STORED", "FALLBACKS", "default
 
 STORED = "stored"  # the item is in the store (processed by the pool, or by another meanwhile)
 FALLBACKS = ("failed", "declined", "died", "full", "starting", "store_full", "unavailable",
-             "closed", "timeout")  # why the caller processes an item itself (PoolStats.fallback)
+             "closed", "timeout")  # why the caller processes an item itself (PoolStats.fallback;
+# "timeout" is the caller's own: it gave up waiting)
 MAX_DETAIL_CHARS = 512  # a worker's error message, cut here
 START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loading a model is slow)
 BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
+JOB_TIMEOUT_S = 60.0  # a worker on one item longer than this is stopped (the item falls back)
 STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
 _READY, _BROKEN = "ready", "broken"  # what a worker says once, before any outcome
 WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
@@ -101,13 +104,26 @@ class PoolStats:
 class _Worker:
     """One worker process and the parent's end of its pipe; `key` is the one it works on."""
 
-    __slots__ = ("conn", "key", "pid", "process", "ready", "started_at")
+    __slots__ = ("busy_since", "conn", "key", "outbox", "pid", "process", "ready", "started_at")
 
     def __init__(self, process: Any, conn: Connection) -> None:
         self.process, self.pid, self.conn = process, process.pid, conn
         self.ready = False
         self.key: str | None = None
-        self.started_at = time.monotonic()
+        self.started_at = self.busy_since = time.monotonic()
+        # jobs go through a thread of their own: a worker that hangs (stopped, stuck in a
+        # library) blocks that thread on a full pipe, never the dispatcher
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=_send_jobs, args=(conn, self.outbox), daemon=True,
+                         name=f"shmstore-pool-send-{self.pid}").start()
+
+
+def _send_jobs(conn: Connection, outbox: queue.SimpleQueue[bytes | None]) -> None:
+    """Send a worker its jobs until told to stop (None) or its pipe closes (it died: the
+    dispatcher sees its sentinel)."""
+    with contextlib.suppress(OSError, ValueError):
+        while (frame := outbox.get()) is not None:
+            conn.send_bytes(frame)
 
 
 class MissPool:
@@ -160,6 +176,11 @@ class MissPool:
 
     def join(self, key: str, job: Any) -> tuple[Future[str], bool]:
         """submit, and whether the key was in flight already (waited for, not sent again)."""
+        try:  # outside the lock: a photo's bytes are copied into the frame
+            frame = msgpack.packb([key, job], use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgument(f"a miss pool job must be msgpack data: {exc}", "job",
+                                  None) from None
         with self._lock:
             running = self._flight.get(key)
             if running is not None:
@@ -171,11 +192,6 @@ class MissPool:
                 done: Future[str] = Future()
                 done.set_result(reason)
                 return done, False
-            try:
-                frame = msgpack.packb([key, job], use_bin_type=True)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise InvalidArgument(f"a miss pool job must be msgpack data: {exc}", "job",
-                                      None) from None
             future: Future[str] = Future()
             self._flight[key] = future
             self._queue.append((key, frame))
@@ -193,11 +209,6 @@ class MissPool:
         if len(self._queue) >= self.max_waiting:
             return "full"
         return ""
-
-    def count_fallback(self, reason: str) -> None:
-        """The caller fell back for a reason of its own (a wait it gave up: "timeout")."""
-        with self._lock:
-            self._fallback[reason] += 1
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -238,8 +249,8 @@ class MissPool:
                     waitables: list[Any] = [self._wake_r]
                     for w in self._workers:
                         waitables += [w.conn, w.process.sentinel]
-                    starting = [w for w in self._workers if not w.ready]
-                timeout = None if not starting else 1.0
+                    watch = any(not w.ready or w.key is not None for w in self._workers)
+                timeout = 1.0 if watch else None  # a start or a job to time
                 for ready in wait(waitables, timeout):
                     if ready == self._wake_r:
                         os.read(self._wake_r, 4096)
@@ -259,12 +270,8 @@ class MissPool:
                 return
             if w.ready and w.key is None:
                 key, frame = self._queue.popleft()
-                try:
-                    w.conn.send_bytes(frame)
-                except OSError:  # dying: its sentinel says so next
-                    self._queue.appendleft((key, frame))
-                    continue
-                w.key = key
+                w.outbox.put(frame)
+                w.key, w.busy_since = key, time.monotonic()
                 self._counts["submitted"] += 1
 
     def _collect(self) -> None:
@@ -275,8 +282,12 @@ class MissPool:
                 answer = self._answer(w)
                 if answer is not None:
                     self._answered(w, *answer)
-                if w.process.is_alive() and (
-                        w.ready or time.monotonic() - w.started_at < START_TIMEOUT_S):
+                now = time.monotonic()
+                if w.ready and w.key is not None and now - w.busy_since > JOB_TIMEOUT_S:
+                    log.warning("shmstore: a miss pool worker (pid %s) took over %.0f s on "
+                                "item %s: it is stopped and the item falls back", w.pid,
+                                JOB_TIMEOUT_S, w.key)
+                elif w.process.is_alive() and (w.ready or now - w.started_at < START_TIMEOUT_S):
                     workers.append(w)
                     continue
                 new = self._replace(w)
@@ -387,6 +398,7 @@ class MissPool:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(STOP_TIMEOUT_S)
         for w in workers:
+            w.outbox.put(None)
             w.conn.close()  # the worker reads EOF and exits
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for w in workers:
@@ -404,7 +416,8 @@ class MissPool:
 
 
 def _stop(w: _Worker) -> None:
-    """Kill `w` if it still runs, reap it, close its pipe."""
+    """Kill `w` if it still runs, reap it, close its pipe (its sender thread ends)."""
+    w.outbox.put(None)
     if w.process.is_alive():
         w.process.kill()
     w.process.join(STOP_TIMEOUT_S)

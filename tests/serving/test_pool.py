@@ -229,3 +229,38 @@ def test_a_key_stored_meanwhile_is_not_processed_again(name: str, tmp_path: Any)
         stats = pool.stats()
         assert (stats.submitted, stats.processed, stats.stored) == (2, 1, 2)
         assert len(started(gate)) == 1  # only "new" ran the processor
+
+
+def test_a_hung_worker_never_blocks_the_pool(name: str) -> None:
+    """A worker that stops answering (SIGSTOP: a library stuck in a loop) while a job larger
+    than its pipe's buffer is sent to it: submit and stats still answer (jobs go through a
+    sender thread per worker, never the dispatcher); once it is killed its item falls back
+    ("died") and a new worker takes the queued job."""
+    import signal
+
+    with hosted(name, capacity_bytes=8 * 1024 * KIB) as writer, pool_of(name, 1) as pool:
+        (pid,) = pool.worker_pids()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stuck = pool.submit("stuck", {"bytes": b"s" * (2 * 1024 * KIB)})
+            wait_for(lambda: pool.stats().busy == 1, READY_S, "the job sent to the worker")
+            queued = pool.submit("next", {"bytes": b"n"})
+            assert pool.stats().queued == 1 and not stuck.done()
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        assert stuck.result(READY_S) == "died"
+        assert queued.result(READY_S) == STORED
+        assert pool.stats().restarts == 1
+        assert writer.cached(["stuck", "next"]) == [False, True]
+
+
+def test_a_job_over_the_time_limit_stops_its_worker_and_falls_back(
+        name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmstore.serving import _pool
+
+    monkeypatch.setattr(_pool, "JOB_TIMEOUT_S", 0.5)
+    with hosted(name), pool_of(name, 1, str(tmp_path)) as pool:
+        (pid,) = pool.worker_pids()
+        assert outcome(pool, "forever", {"bytes": b"f", "hold": True}) == "died"
+        wait_for(lambda: not pid_alive(pid), READY_S, "the stuck worker to be gone")
+        assert pool.stats().restarts == 1

@@ -10,6 +10,8 @@ one after the other (about 50 s each to start on 2 cores).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -235,6 +237,52 @@ def test_one_processing_per_new_photo_on_the_node_under_concurrent_requests(
     assert server.metric("shmstore_vllm_items_total", outcome="stored") == here
     assert server.metric("shmstore_vllm_items_total", outcome="shared") == 0
     assert server.metric(POOL, outcome="died") == 0
+
+
+def pool_workers(server: Server) -> list[int]:
+    """The pids of the server's miss pool workers (they name themselves shmstore-pool)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and os.getpgid(int(entry.name)) == server.proc.pid
+                    and (entry / "comm").read_text().strip() == "shmstore-pool"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_a_pool_worker_killed_mid_item_costs_the_request_nothing(
+        shaped: tuple[Server, dict[Any, Any]]) -> None:
+    """The pool's worker is stopped, a request's new photo is sent to it, and the worker is
+    killed while it holds the item: the request is answered (vLLM's path, as without the
+    pool) with the answer the item gets once stored; the pool starts a new worker, which
+    processes the next new photo."""
+    server, _ = shaped
+    if not server.pooled:  # type: ignore[attr-defined]
+        pytest.skip("the shape without a miss pool")
+    assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 1, 240)
+    (worker,) = pool_workers(server)
+    died = server.metric(POOL, outcome="died")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        answers: list[Any] = []
+        asking = threading.Thread(target=lambda: answers.append(said(server, jpeg_part(95))))
+        asking.start()
+        assert eventually(lambda: server.metric("shmstore_vllm_pool", what="busy") == 1, 120)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+    asking.join(300)
+    assert len(answers) == 1 and isinstance(answers[0], str), answers
+    assert eventually(lambda: server.metric(POOL, outcome="died") == died + 1)
+    assert said(server, jpeg_part(95)) == answers[0]  # now a hit: the same answer
+    assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 1, 240)
+    assert pool_workers(server) != [worker]
+    assert server.metric("shmstore_vllm_pool_runs_total", what="restarts") == 1
+    processed = server.metric("shmstore_vllm_pool_runs_total", what="processed")
+    assert isinstance(said(server, jpeg_part(96)), str)
+    assert eventually(lambda: server.metric("shmstore_vllm_pool_runs_total", what="processed")
+                      == processed + 1)
 
 
 def test_refused_requests_on_any_api_server_never_wedge_the_store(
