@@ -98,7 +98,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build(Path(tmp), image_size=args.image_size, kind=args.model)
-        config = ModelConfig(model=str(model), max_model_len=8192, enforce_eager=True)
+        config = ModelConfig(model=str(model), max_model_len=512, enforce_eager=True)
         process = make_processor(config)
         vllm_processor = build_processor(config)
         photos = [photo(seed, args.megapixels) for seed in range(args.photos)]

@@ -3,8 +3,11 @@
 (two API servers, two engines). Outputs must equal a reference run with one API server and
 vLLM's `lru` cache; each image is stored once on the node however many API servers see it;
 hits across API servers are counted; no engine owes reads on what it never saw; a refused
-request, and reset_mm_cache under traffic, neither wedge nor break anything. Three servers,
-one after the other (about 50 s each to start on 2 cores).
+request, and reset_mm_cache under traffic, neither wedge nor break anything. The data-parallel
+shape runs with the node's miss pool (one worker): the same outputs and errors, new JPEGs
+processed by the pool, one processing per photo under concurrent requests, and a worker
+killed mid-item costs its request nothing. Three servers, one after the other (about 50 s
+each to start on 2 cores).
 """
 
 from __future__ import annotations
@@ -208,14 +211,13 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
         assert server.metric(POOL, outcome="died") == 0
 
 
+@pytest.mark.parametrize("shaped", ["data-parallel-2-pool"], indirect=True)
 def test_one_processing_per_new_photo_on_the_node_under_concurrent_requests(
         shaped: tuple[Server, dict[Any, Any]]) -> None:
     """Each new JPEG sent by several clients at once, to whichever API server: the node's pool
     processes it once (single flight), no API server runs the HF processor for it, and every
     request is answered."""
     server, _ = shaped
-    if not server.pooled:  # type: ignore[attr-defined]
-        pytest.skip("the shape without a miss pool")
     assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 1, 240)
     seeds, copies = [90, 91, 92, 93], 4
     runs = server.metric("shmstore_vllm_pool_runs_total", what="processed")
@@ -252,6 +254,7 @@ def pool_workers(server: Server) -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("shaped", ["data-parallel-2-pool"], indirect=True)
 def test_a_pool_worker_killed_mid_item_costs_the_request_nothing(
         shaped: tuple[Server, dict[Any, Any]]) -> None:
     """The pool's worker is stopped, a request's new photo is sent to it, and the worker is
@@ -259,8 +262,6 @@ def test_a_pool_worker_killed_mid_item_costs_the_request_nothing(
     pool) with the answer the item gets once stored; the pool starts a new worker, which
     processes the next new photo."""
     server, _ = shaped
-    if not server.pooled:  # type: ignore[attr-defined]
-        pytest.skip("the shape without a miss pool")
     assert eventually(lambda: server.metric("shmstore_vllm_pool", what="ready") == 1, 240)
     (worker,) = pool_workers(server)
     died = server.metric(POOL, outcome="died")
