@@ -110,6 +110,7 @@ CONCURRENCY = [1, 4]  # --concurrency
 HOT = 4  # images of the 100% mix
 API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's cache)
 POOL = 64  # images the zipf mix draws from
+MODEL = ["llava"]  # --model
 
 
 class Images:
@@ -340,7 +341,8 @@ def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
            "PYTHONPATH": f"{ROOT / 'bench' / 'ipc_bytes'}:{ROOT}",
            "SHMSTORE_BENCH_BYTES_DIR": str(counts), **extra_env}
     shm_before = shm_bytes()
-    max_len = max(1024, 2 * (image_size // 14) ** 2)  # two prompts' worth of image tokens
+    # two prompts' worth of image tokens (LLaVA-NeXT: up to five crops' and their newlines)
+    max_len = max(1024, (2 if MODEL[0] == "llava" else 6) * (image_size // 14) ** 2)
     server = Server(model, f"bench-serve-{os.getpid()}", log_dir / f"{name}.log", *arguments,
                     "--max-num-seqs", "4", "--max-model-len", str(max_len),
                     cache_type=cache_type, cache_gb=cache_gb, env=env)
@@ -372,6 +374,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=24, help="requests per cell")
     parser.add_argument("--cache-gb", default="1", help="--mm-processor-cache-gb of each server")
     parser.add_argument("--image-size", type=int, default=336)
+    parser.add_argument("--model", choices=("llava", "llava_next"), default="llava",
+                        help="the tiny LLaVA-1.5, or the tiny LLaVA-NeXT (anyres tiles)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     parser.add_argument("--photo-mp", type=float, default=0,
@@ -392,12 +396,13 @@ def main() -> None:
         return
     n = 6 if args.quick else args.n
     CONCURRENCY[:] = [int(c) for c in args.concurrency.split(",")]
+    MODEL[0] = args.model
     global IMAGES
     IMAGES = Images(args.photo_mp, args.source)
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "model", image_size=args.image_size)
+        model = build(Path(tmp) / "model", image_size=args.image_size, kind=args.model)
         for _ in range(args.repeats):
             for name in names:
                 runs[name].append(run_config(name, model, n, Path(tmp), args.image_size,
@@ -407,6 +412,7 @@ def main() -> None:
     result = summarize(runs)
     result["image_size"] = args.image_size
     result["repeats"] = args.repeats
+    result["model"] = args.model
     result["photo_mp"], result["source"] = args.photo_mp, args.source
     report(result)
     if args.json:
