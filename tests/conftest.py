@@ -24,6 +24,9 @@ SESSION_START_NS = time.time_ns()
 # One token per test session, inherited by the processes it spawns: the leak check below only
 # ever removes this session's segments, never those of a run beside it.
 SESSION = os.environ.setdefault("SHMSTORE_TEST_SESSION", secrets.token_hex(3))
+# the miss pool's default size follows the machine's cores: tests (and the servers they start)
+# run without one unless they set it, so a machine with cores to spare runs the same suite
+os.environ.setdefault("SHMSTORE_VLLM_POOL", "0")
 NAME_PREFIX = f"shmstore-test-{SESSION}-"
 WRITER_PID_FIELD = 7  # SEGMENT_HEADER: magic, version, kind, readers, data offset, capacity, total, pid
 

@@ -54,17 +54,23 @@ START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loadin
 BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
 JOB_TIMEOUT_S = 60.0  # a worker on one item longer than this is stopped (the item falls back)
 STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
+MIN_DEFAULT_WORKERS = 2  # a default pool smaller than this is none
+MAX_DEFAULT_WORKERS = 8  # each worker holds the model's processor (about 0.5 GB here)
 _READY, _BROKEN = "ready", "broken"  # what a worker says once, before any outcome
 WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
 ALREADY = "stored already"  # a STORED answer's detail when the worker did not run
 
 
-def default_workers(cores: int | None = None) -> int:
-    """The pool's size where none is set: one worker per core this process may run on, less one
-    for the API server's own thread, at least 1."""
+def default_workers(*, taken: int, cores: int | None = None) -> int:
+    """The pool's size where none is set: the cores this process may run on that the server's
+    own processes do not take (`taken`: its API servers, engines and their workers, each
+    busy on a core), at most MAX_DEFAULT_WORKERS; 0 (no pool) below MIN_DEFAULT_WORKERS,
+    where a pool would take cores from the server (a pool of 1 is no faster than the API
+    server's own thread: docs/performance.md)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0))
-    return max(1, cores - 1)
+    spare = min(MAX_DEFAULT_WORKERS, cores - taken)
+    return spare if spare >= MIN_DEFAULT_WORKERS else 0
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class Deployment(Shape):
     processor_identity: bytes  # vLLM version, model, tokenizer, processor config: 16 bytes
     vocab_size: int  # token ids in a record are below it (0: unknown)
     pool_workers: int  # the node's miss pool (serving/_pool.py; 0: none)
+    pool_why: str  # how its size was chosen (logged)
     model_config: Any = field(default=None, compare=False, repr=False)  # for the pool's workers
 
     @classmethod
@@ -81,6 +82,8 @@ class Deployment(Shape):
         elif nodes > 1 and (api_servers > 1 or engines > 1):
             unservable = "several API servers or engines with a tensor-parallel group across nodes"
         env = os.environ
+        per_engine = int(getattr(parallel, "local_world_size", parallel.world_size))
+        pool = _pool_workers(taken=api_servers + engines * (1 + per_engine))
         return cls(
             cache_type=str(mm.mm_processor_cache_type), name=buffer_name(),
             capacity_bytes=capacity,
@@ -88,7 +91,7 @@ class Deployment(Shape):
             policy=env.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY,
             api_servers=api_servers, api_rank=int(getattr(parallel, "_api_process_rank", 0)),
             engines=engines, engine=int(getattr(parallel, "data_parallel_index", 0) or 0),
-            per_engine=int(getattr(parallel, "local_world_size", parallel.world_size)),
+            per_engine=per_engine,
             nodes=nodes, node_rank=int(getattr(parallel, "node_rank_within_dp", 0)),
             unservable=unservable,
             settle_s=env_seconds(SETTLE_ENV, DEFAULT_SETTLE_S),
@@ -101,7 +104,7 @@ class Deployment(Shape):
             accelerate=_accelerate(),
             processor_identity=_processor_identity(vllm_config.model_config, mm),
             vocab_size=_vocab_size(vllm_config.model_config),
-            pool_workers=_pool_workers(),
+            pool_workers=pool[0], pool_why=pool[1],
             model_config=vllm_config.model_config)
 
     def keeps_shm(self) -> bool:
@@ -131,16 +134,21 @@ def _accelerate() -> bool:
 MAX_POOL_WORKERS = 256
 
 
-def _pool_workers() -> int:
-    """The node's miss pool size (its API servers share one): POOL_ENV's number, 0/off (the
-    default) for none, or auto: a worker per core less one (serving/_pool.py)."""
+def _pool_workers(taken: int) -> tuple[int, str]:
+    """The node's miss pool size and how it was chosen: POOL_ENV's number, 0/off for none, or
+    (unset, auto) the cores the server's processes leave free (serving/_pool.py
+    default_workers; `taken`: its API servers, engines and workers)."""
     raw = os.environ.get(POOL_ENV, "").strip().lower()
-    if raw in ("", "0", "off", "false", "no"):
-        return 0
-    if raw == "auto":
-        return default_workers()
+    if raw in ("", "auto"):
+        cores = len(os.sched_getaffinity(0))
+        workers = default_workers(taken=taken, cores=cores)
+        return workers, (f"{POOL_ENV} unset or auto: {cores} cores, {taken} taken by the API "
+                         f"servers, engines and workers" + ("" if workers else
+                                                            f"; set {POOL_ENV}=N to run one"))
+    if raw in ("0", "off", "false", "no"):
+        return 0, f"{POOL_ENV}={raw}"
     try:
-        return int_arg(int(raw), POOL_ENV, 0, MAX_POOL_WORKERS)
+        return int_arg(int(raw), POOL_ENV, 0, MAX_POOL_WORKERS), f"{POOL_ENV}={raw}"
     except ValueError:
         raise InvalidArgument(f"{POOL_ENV}={raw!r} is not a pool size: set a number of worker "
                               f"processes (0 to {MAX_POOL_WORKERS}), auto, or 0/off", POOL_ENV,

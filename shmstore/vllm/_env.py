@@ -14,6 +14,6 @@ INSECURE_ENV = "SHMSTORE_VLLM_INSECURE"  # head: 1 to publish over plain TCP (no
 WAIT_ENV = "SHMSTORE_VLLM_WAIT_S"  # node k worker: longest wait for an item's handle
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: /metrics from files
 ACCELERATE_ENV = "SHMSTORE_VLLM_ACCELERATE"  # 0/1 (default 1): lazy images and records (_accel)
-POOL_ENV = "SHMSTORE_VLLM_POOL"  # the node's miss pool workers: 0/off (default), N, or auto
+POOL_ENV = "SHMSTORE_VLLM_POOL"  # the node's miss pool workers: N, 0/off, or auto (default)
 # the switches ACCELERATE_ENV replaced: still read (0 turns the acceleration off), with a warning
 REPLACED_ENV = ("SHMSTORE_VLLM_LAZY_IMAGES", "SHMSTORE_VLLM_SHARE_UPDATES")

@@ -40,7 +40,7 @@ from ..store._api import WriterAPI
 from ._accel import RECORD_FIELD, Acceleration, realize_misses
 from ._accel._pool import PoolSender
 from ._deployment import Deployment
-from ._env import LOG_NAME, PUBLISH_ENV
+from ._env import ACCELERATE_ENV, LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
 from ._scope import RequestScope
 from ._vllm import BaseMultiModalProcessorCache, CacheInfo, MultiModalCacheMissError, with_cache
@@ -80,6 +80,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self.accel = Acceleration(d.accelerate, d.processor_identity, d.vocab_size,
                                   self.ledger.lock)
         self.pool: PoolSender | None = None
+        if self._writers.local is not None and d.shape != "relay":
+            log.info("shmstore: miss pool of %d worker(s) (%s)%s", d.pool_workers, d.pool_why,
+                     "" if d.accelerate or not d.pool_workers else
+                     f"; off: it needs {ACCELERATE_ENV} on")
         if pooled and self.accel.lazy_images:
             local = self._writers.local
             self.pool = PoolSender(d.name, d.pool_workers, d.model_config,

@@ -212,9 +212,12 @@ def test_workers_exit_when_the_process_that_owns_the_pool_is_killed(name: str) -
         owner.join()
 
 
-def test_the_default_size_leaves_the_api_server_a_core() -> None:
-    assert [default_workers(n) for n in (1, 2, 16, 64)] == [1, 1, 15, 63]
-    assert default_workers() >= 1
+def test_the_default_size_is_the_cores_the_server_leaves_free() -> None:
+    # (cores, taken by API servers, engines and workers) -> workers
+    cases = {(2, 4): 0, (4, 3): 0, (8, 4): 4, (16, 4): 8, (64, 10): 8, (5, 3): 2}
+    assert {k: default_workers(cores=k[0], taken=k[1]) for k in cases} == cases
+    assert default_workers(taken=0) == min(8, len(os.sched_getaffinity(0))) or \
+        len(os.sched_getaffinity(0)) < 2
     assert "died" in FALLBACKS and STORED not in FALLBACKS
 
 

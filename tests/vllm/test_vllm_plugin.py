@@ -782,3 +782,32 @@ def test_a_node_feed_waits_for_a_relay_channel_still_being_created(name: str) ->
     finally:
         half.close_fd()
         half.unlink()
+
+
+@pytest.mark.parametrize(("value", "workers"), [("0", 0), ("off", 0), ("3", 3), ("auto", None),
+                                                ("", None)])
+def test_the_pool_size_setting(value: str, workers: int | None, name: str,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A number, 0/off, or unset/auto: the cores the server's processes leave free (here one
+    API server and one engine of 2 workers take 4), 2 to 8, else none; the log says how."""
+    from shmstore.serving._pool import default_workers
+    from shmstore.vllm._deployment import Deployment
+
+    monkeypatch.setenv("SHMSTORE_VLLM_POOL", value)
+    d = Deployment.read(config(name))
+    expected = default_workers(taken=4) if workers is None else workers
+    assert d.pool_workers == expected
+    assert "SHMSTORE_VLLM_POOL" in d.pool_why
+    if workers is None and not expected:
+        assert "set SHMSTORE_VLLM_POOL=N to run one" in d.pool_why
+
+
+@pytest.mark.parametrize("value", ["many", "-1", "257", "2.5"])
+def test_a_pool_size_it_cannot_take_is_refused_naming_the_variable(
+        value: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmstore.vllm._deployment import Deployment
+
+    monkeypatch.setenv("SHMSTORE_VLLM_POOL", value)
+    with pytest.raises(InvalidArgument, match=r"SHMSTORE_VLLM_POOL") as info:
+        Deployment.read(config(name))
+    assert info.value.argument == "SHMSTORE_VLLM_POOL"

@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from shmstore._proc import pid_alive
 from tests.conftest import new_name
 from tests.vllm.test_vllm_serve import MediaServer, Server, jpeg_part
 from tests.vllm.tiny_llava import build
@@ -132,8 +133,10 @@ def shaped(request: pytest.FixtureRequest, model: Path,
                     env={**BIND, "VLLM_SERVER_DEV_MODE": "1", **env})
     server.pooled = bool(env)  # type: ignore[attr-defined]
     yield server, reference
+    workers = pool_workers(server)
     server.stop()
     assert not Path("/dev/shm", server.segment).exists()  # unlinked by API server 0's exit
+    assert not any(pid_alive(pid) for pid in workers)  # the pool's workers are gone too
 
 
 def test_one_store_serves_every_api_server_and_engine(
