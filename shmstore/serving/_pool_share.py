@@ -31,7 +31,7 @@ from typing import Any
 from ..errors import InvalidArgument, ProtocolError
 from ..shm._closeable import Closeable
 from ..shm._header import peek_epoch
-from ..store._host import peer_uid
+from ..store._host import SameUserServer, peer_uid
 from ..store._wire import recv_frame, send_frame
 from ._log import log
 from ._pool import FALLBACKS, MissPool
@@ -56,41 +56,15 @@ class PoolHost(Closeable):
     """Serves `pool` to the node's other processes of this user. close() stops serving (the
     pool is the caller's); jobs in flight go on and their clients are not answered."""
 
-    _listener: socket.socket | None = None
+    _server: SameUserServer | None = None
 
     def __init__(self, pool: MissPool, name: str, epoch: int) -> None:
-        self._pool = pool
-        self._clients: set[socket.socket] = set()
-        self._closing = False
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(pool_address(name, epoch))
-        except OSError as exc:
-            listener.close()
-            raise InvalidArgument(f"cannot serve the miss pool of store {name!r}: its socket "
-                                  f"name is taken ({exc})", "name", name) from None
-        listener.listen(MAX_CLIENTS)
-        self._listener, self.name = listener, name
-        threading.Thread(target=self._accept, daemon=True,
-                         name=f"shmstore-pool-host-{name}").start()
+        self._pool, self.name = pool, name
+        self._server = SameUserServer(pool_address(name, epoch), self._serve,
+                                      what=f"the miss pool of store {name!r}", name=name,
+                                      max_clients=MAX_CLIENTS)
 
-    def _accept(self) -> None:
-        listener = self._listener
-        while listener is not None and not self._closing:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return
-            if peer_uid(sock) != os.getuid() or len(self._clients) >= MAX_CLIENTS:
-                log.warning("shmstore: the miss pool of %r refused a connection (another "
-                            "user, or %d connections already)", self.name, MAX_CLIENTS)
-                sock.close()
-                continue
-            self._clients.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                             name=f"shmstore-pool-host-{self.name}-client").start()
-
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, pid: int) -> None:
         count = threading.Lock()
         pending = [0]
         answers: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
@@ -104,7 +78,7 @@ class PoolHost(Closeable):
         threading.Thread(target=_write_answers, args=(sock, answers), daemon=True,
                          name=f"shmstore-pool-host-{self.name}-answers").start()
         try:
-            while not self._closing:
+            while not self.closed:
                 frame = recv_frame(sock, MAX_JOB_BYTES)
                 if frame is None:
                     return
@@ -123,28 +97,20 @@ class PoolHost(Closeable):
                 future.add_done_callback(functools.partial(_answer_with, answer, job_id,
                                                            waited))
         except (ProtocolError, OSError) as exc:
-            if not self._closing:
+            if not self.closed:
                 log.warning("shmstore: the miss pool of %r dropped a client: %s", self.name, exc)
         except Exception:  # a bug here: logged, and only this client is dropped
             log.exception("shmstore: the miss pool of %r: serving a client failed", self.name)
         finally:
-            self._clients.discard(sock)
             answers.put(None)  # the writer thread closes the socket
 
     def close(self) -> None:
-        self._closing = True
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        for sock in list(self._clients):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        if self._server is not None:
+            self._server.close()
 
     @property
     def closed(self) -> bool:
-        return self._listener is None
+        return self._server is None or self._server.closed
 
 
 def _answer_with(answer: Any, job_id: int, waited: bool, future: Future[str]) -> None:

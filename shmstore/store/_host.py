@@ -56,7 +56,7 @@ from ._wire import (
 )
 from ._writer import Lender, StoreWriter
 
-__all__ = ["WriterHost", "host_address", "peer_uid", "readable"]
+__all__ = ["WriterHost", "SameUserServer", "host_address", "peer_uid", "readable"]
 
 log = logging.getLogger("shmstore")
 MAX_CLIENTS = 64  # connections one host serves at once
@@ -94,6 +94,73 @@ def readable(sock: socket.socket, timeout_s: float | None) -> bool:
     return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
 
 
+class SameUserServer(Closeable):
+    """A listening unix socket (`address`, in the abstract namespace) that serves processes of
+    this user only, at most `max_clients` at once: each connection gets a thread running
+    serve(sock, pid), which closes the socket when done. close() stops accepting and shuts
+    down every connection (their threads see it and end). Used by WriterHost and the miss
+    pool's host (serving/_pool_share.py)."""
+
+    _listener: socket.socket | None = None
+
+    def __init__(self, address: str, serve: Callable[[socket.socket, int], None], *,
+                 what: str, name: str, max_clients: int) -> None:
+        self.clients: set[socket.socket] = set()
+        self.closing = False
+        self._serve, self._what, self._max_clients = serve, what, max_clients
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+        except OSError as exc:
+            listener.close()
+            raise InvalidArgument(
+                f"cannot serve {what} to other processes: its socket name is taken ({exc}); "
+                "another process serves it already", "name", name) from None
+        listener.listen(max_clients)
+        self._listener = listener
+        threading.Thread(target=self._accept, name=f"shmstore-serve-{name}",
+                         daemon=True).start()
+
+    def _accept(self) -> None:
+        listener = self._listener
+        while listener is not None and not self.closing:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed
+            pid, uid = _peer(sock)
+            if uid != os.getuid() or len(self.clients) >= self._max_clients:
+                log.warning("shmstore: %s refused a connection (another user, or %d "
+                            "connections already)", self._what, self._max_clients)
+                sock.close()
+                continue
+            self.clients.add(sock)
+            threading.Thread(target=self._run, args=(sock, pid), daemon=True,
+                             name=f"shmstore-serve-{self._what}-client").start()
+
+    def _run(self, sock: socket.socket, pid: int) -> None:
+        try:
+            self._serve(sock, pid)
+        finally:
+            self.clients.discard(sock)
+
+    def close(self) -> None:
+        """Stop serving; connected clients see their connection end. Idempotent."""
+        self.closing = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        for sock in list(self.clients):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def closed(self) -> bool:
+        return self._listener is None
+
+
 class WriterHost(Closeable):
     """Serves `writer`'s operations to RemoteWriters of this user (see the module docstring).
 
@@ -101,51 +168,25 @@ class WriterHost(Closeable):
     thread of this process that calls the writer. close() stops serving and gives back what
     clients had lent; it does not close the writer."""
 
-    _listener: socket.socket | None = None
+    _server: SameUserServer | None = None
 
     def __init__(self, writer: StoreWriter, lock: Any) -> None:
         self._writer = writer
         self._lock = lock
-        self._clients: set[socket.socket] = set()
-        self._closing = False
         self.post_errors = 0  # calls sent with wait=False that failed other than StaleHandle
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(host_address(writer.name, writer.epoch))
-        except OSError as exc:
-            listener.close()
-            raise InvalidArgument(
-                f"cannot serve store {writer.name!r} to other processes: its socket name is "
-                f"taken ({exc}); another host of this store is running", "name",
-                writer.name) from None
-        listener.listen(MAX_CLIENTS)
-        self._listener = listener
         self._handlers = self._handler_table()
-        self._thread = threading.Thread(target=self._accept, name=f"shmstore-host-{writer.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._server = SameUserServer(host_address(writer.name, writer.epoch), self._serve,
+                                      what=f"store {writer.name!r}", name=writer.name,
+                                      max_clients=MAX_CLIENTS)
 
     @property
     def clients(self) -> int:
         """Connections being served now."""
-        return len(self._clients)
+        return 0 if self._server is None else len(self._server.clients)
 
-    def _accept(self) -> None:
-        listener = self._listener
-        while listener is not None and not self._closing:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return  # closed
-            pid, uid = _peer(sock)
-            if uid != os.getuid() or len(self._clients) >= MAX_CLIENTS:
-                log.warning("shmstore: store %r refused a connection (another user, or %d "
-                            "connections already)", self._writer.name, MAX_CLIENTS)
-                sock.close()
-                continue
-            self._clients.add(sock)
-            threading.Thread(target=self._serve, args=(sock, pid), daemon=True,
-                             name=f"shmstore-host-{self._writer.name}-client").start()
+    @property
+    def _closing(self) -> bool:
+        return self._server is None or self._server.closing
 
     def _serve(self, sock: socket.socket, pid: int) -> None:
         loans = Lender(self._writer)
@@ -178,7 +219,6 @@ class WriterHost(Closeable):
         finally:
             with self._lock:
                 loans.close()  # what is still lent: orphans, freed when the ring reaches them
-            self._clients.discard(sock)
             sock.close()
 
     def _lender_alive(self, sock: socket.socket, pid: int, lent: int) -> bool:
@@ -266,17 +306,10 @@ class WriterHost(Closeable):
 
     def close(self) -> None:
         """Stop serving; connected clients' calls fail with Closed. Idempotent."""
-        self._closing = True
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        for sock in list(self._clients):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        if self._server is not None:
+            self._server.close()
 
     @property
     def closed(self) -> bool:
-        return self._listener is None
+        return self._server is None or self._server.closed
 

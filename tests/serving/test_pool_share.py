@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -25,6 +27,23 @@ def serve(name: str, writer: Any, gate: str = "", workers: int = 1) -> tuple[Mis
     pool = MissPool(name, Processor(TOY, (gate,)), workers=workers)
     wait_for(lambda: pool.stats().ready == workers, READY_S, "the pool's workers")
     return pool, PoolHost(pool, name, writer.epoch)
+
+
+@contextmanager
+def served(name: str, gate: str = "") -> Iterator[tuple[Any, MissPool, PoolHost, PoolClient]]:
+    """A store, its pool served on the node, and one client of it; all closed after (a gate
+    opened first, so that no held job outlives the test)."""
+    with hosted(name) as writer:
+        pool, host = serve(name, writer, gate)
+        client = PoolClient(name)
+        try:
+            yield writer, pool, host, client
+        finally:
+            client.close()
+            if gate:
+                open(os.path.join(gate, "open"), "w").close()
+            host.close()
+            pool.close()
 
 
 def test_a_key_in_flight_on_the_node_is_processed_once_whoever_sent_it(
@@ -81,36 +100,22 @@ def test_no_host_answers_unavailable_at_once_then_the_client_connects(
 def test_a_host_closed_with_jobs_in_flight_answers_them_unavailable(
         name: str, tmp_path: Any) -> None:
     gate = str(tmp_path)
-    with hosted(name) as writer:
-        pool, host = serve(name, writer, gate)
-        client = PoolClient(name)
-        try:
-            held = client.submit("held", {"bytes": b"h", "hold": True})
-            wait_for(lambda: len(started(gate)) == 1, READY_S, "the job")
-            host.close()
-            assert held.result(READY_S) == "unavailable"
-        finally:
-            client.close()
-            open(os.path.join(gate, "open"), "w").close()
-            pool.close()
+    with served(name, gate) as (_, _, host, client):
+        held = client.submit("held", {"bytes": b"h", "hold": True})
+        wait_for(lambda: len(started(gate)) == 1, READY_S, "the job")
+        host.close()
+        assert held.result(READY_S) == "unavailable"
 
 
 def test_more_jobs_in_flight_than_a_connection_may_have_are_answered_full(
         name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(share, "MAX_PENDING", 1)
     gate = str(tmp_path)
-    with hosted(name) as writer:
-        pool, host = serve(name, writer, gate)
-        client = PoolClient(name)
-        try:
-            first = client.submit("a", {"bytes": b"a", "hold": True})
-            assert client.submit("b", {"bytes": b"b"}).result(READY_S) == "full"
-            open(os.path.join(gate, "open"), "w").close()
-            assert first.result(READY_S) == STORED
-        finally:
-            client.close()
-            host.close()
-            pool.close()
+    with served(name, gate) as (_, _, _, client):
+        first = client.submit("a", {"bytes": b"a", "hold": True})
+        assert client.submit("b", {"bytes": b"b"}).result(READY_S) == "full"
+        open(os.path.join(gate, "open"), "w").close()
+        assert first.result(READY_S) == STORED
 
 
 def _raw(name: str, epoch: int) -> socket.socket:
@@ -136,19 +141,12 @@ def _frame(obj: Any) -> bytes:
     _frame([1, "key"]),
 ])
 def test_a_hostile_frame_drops_that_connection_only(name: str, frame: bytes) -> None:
-    with hosted(name) as writer:
-        pool, host = serve(name, writer)
-        client = PoolClient(name)
-        try:
-            sock = _raw(name, writer.epoch)
-            sock.sendall(frame)
-            assert sock.recv(1 << 16) == b""  # dropped
-            sock.close()
-            assert client.submit("after", {"bytes": b"a"}).result(READY_S) == STORED
-        finally:
-            client.close()
-            host.close()
-            pool.close()
+    with served(name) as (writer, _, _, client):
+        sock = _raw(name, writer.epoch)
+        sock.sendall(frame)
+        assert sock.recv(1 << 16) == b""  # dropped
+        sock.close()
+        assert client.submit("after", {"bytes": b"a"}).result(READY_S) == STORED
 
 
 def test_a_second_host_of_one_store_is_refused(name: str) -> None:
