@@ -29,6 +29,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from shmstore._proc import pid_alive
+from tests._waiting import wait_for
 from tests.conftest import new_name
 from tests.vllm.test_vllm_serve import MediaServer, Server, jpeg_part
 from tests.vllm.tiny_llava import build
@@ -135,8 +136,11 @@ def shaped(request: pytest.FixtureRequest, model: Path,
     yield server, reference
     workers = pool_workers(server)
     server.stop()
-    assert not Path("/dev/shm", server.segment).exists()  # unlinked by API server 0's exit
-    assert not any(pid_alive(pid) for pid in workers)  # the pool's workers are gone too
+    # unlinked by API server 0's exit, or, where vLLM's launcher SIGKILLed it first, by its
+    # tracker process, which may still be at it when the launcher has exited
+    wait_for(lambda: not Path("/dev/shm", server.segment).exists(), 60, "the segment to go")
+    wait_for(lambda: not any(pid_alive(pid) for pid in workers), 60,
+             "the pool's workers to exit")
 
 
 def test_one_store_serves_every_api_server_and_engine(
