@@ -14,6 +14,7 @@ import each other):
     _native                 the compiled boundary: the C module and which path runs
     shm                     segments, the ring, the reader table, waiting
     serde                   values to bytes and back, no pickle
+    local                   a service on this machine for this user: names, server, connect, frames
     store                   the object store on one ring: put, get, view, hand-outs, policies
     queue                   the broadcast queue and the Channel
     cache                   sender and receiver caches, mm_hash, hit-ratio simulation

@@ -13,5 +13,5 @@ items into these.
     _pool_share.py PoolHost and PoolClient: one pool per node, served to its other API servers
     _log.py        the core's logger, sent through the engine's own (log_to)
 
-May import: errors, handle, _proc, shm, serde, store, queue, cache, relay.
+May import: errors, handle, _proc, shm, serde, local, store, queue, cache, relay.
 """

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import itertools
-import os
 import queue
 import socket
 import threading
@@ -29,16 +27,17 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import InvalidArgument, ProtocolError
+from ..local._frames import recv_frame, send_frame
+from ..local._service import SameUserServer, connect, service_address
 from ..shm._closeable import Closeable
 from ..shm._header import peek_epoch
-from ..store._host import SameUserServer, peer_uid
-from ..store._wire import recv_frame, send_frame
 from ._log import log
 from ._pool import FALLBACKS, MissPool
 
 __all__ = ["PoolHost", "PoolClient", "pool_address", "MAX_JOB_BYTES"]
 
 MAX_JOB_BYTES = 64 << 20  # one job frame: a photo's bytes (a 12 MP JPEG is about 5 MB)
+MAX_ANSWER_BYTES = 1 << 10  # [id, outcome, waited]
 MAX_CLIENTS = 64  # connections one host serves
 MAX_PENDING = 256  # jobs one connection may have in flight
 RETRY_S = 1.0  # a client without a host tries to connect again after this long
@@ -46,10 +45,9 @@ CONNECT_TIMEOUT_S = 1.0
 
 
 def pool_address(name: str, epoch: int) -> str:
-    """The abstract socket name of the miss pool that writes store `name` (epoch: the store's
-    random per-create number, which only its user can read)."""
-    digest = hashlib.blake2b(f"{name}\0{epoch}".encode(), digest_size=16).hexdigest()
-    return f"\0shmstore.pool.{os.getuid()}.{digest}"
+    """The abstract socket name of the miss pool that writes store `name` (local/_service.py:
+    one another user can neither predict nor derive from the writer host's name)."""
+    return service_address("pool", name, epoch)
 
 
 class PoolHost(Closeable):
@@ -79,7 +77,7 @@ class PoolHost(Closeable):
                          name=f"shmstore-pool-host-{self.name}-answers").start()
         try:
             while not self.closed:
-                frame = recv_frame(sock, MAX_JOB_BYTES)
+                frame = recv_frame(sock, limit=MAX_JOB_BYTES)
                 if frame is None:
                     return
                 job_id, key, job = _request(frame)
@@ -121,7 +119,7 @@ def _write_answers(sock: socket.socket, answers: queue.SimpleQueue[list[Any] | N
     """Send one connection's answers in order until told to stop (None); then close it."""
     try:
         while (frame := answers.get()) is not None:
-            send_frame(sock, frame)
+            send_frame(sock, frame, limit=MAX_ANSWER_BYTES, what="miss pool answer")
     except OSError:
         pass
     finally:
@@ -164,7 +162,8 @@ class PoolClient(Closeable):
             self._pending[job_id] = (sock, future)
         try:
             with self._send:
-                send_frame(sock, [job_id, key, job], MAX_JOB_BYTES)
+                send_frame(sock, [job_id, key, job], limit=MAX_JOB_BYTES, what="miss pool job",
+                           advice="the item is processed where it is")
         except (OSError, InvalidArgument, TypeError, ValueError) as exc:
             with self._lock:
                 self._pending.pop(job_id, None)
@@ -181,15 +180,12 @@ class PoolClient(Closeable):
             epoch = peek_epoch(self.name)
             if epoch is None:
                 return None
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.settimeout(CONNECT_TIMEOUT_S)
-                sock.connect(pool_address(self.name, epoch))
-                if peer_uid(sock) != os.getuid():
-                    raise OSError("the pool's process runs as another user")
+                sock = connect(pool_address(self.name, epoch),
+                               what=f"the miss pool of store {self.name!r}",
+                               timeout_s=CONNECT_TIMEOUT_S)
                 sock.settimeout(None)
             except OSError as exc:
-                sock.close()
                 log.debug("shmstore: no miss pool for store %r yet (%s)", self.name, exc)
                 return None
             self._sock = sock
@@ -200,7 +196,7 @@ class PoolClient(Closeable):
     def _read(self, sock: socket.socket) -> None:
         try:
             while True:
-                frame = recv_frame(sock)
+                frame = recv_frame(sock, limit=MAX_ANSWER_BYTES)
                 if frame is None:
                     break
                 if (not isinstance(frame, list) or len(frame) != 3

@@ -17,5 +17,5 @@ loop, on one ring.
     _remote.py       RemoteWriter: that writer called from another process
     _wire.py         what host and remote say: framing and the one table of operations
 
-May import: errors, handle, _proc, shm, serde.
+May import: errors, handle, _proc, shm, serde, local.
 """

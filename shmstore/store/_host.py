@@ -30,19 +30,14 @@ every client see one writer operation at a time.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
-import os
-import select
 import socket
-import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from .._proc import pid_alive
 from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
+from ..local._service import SameUserServer, readable, service_address
 from ..shm._closeable import Closeable
 from ._wire import (
     MAX_FRAME_BYTES,
@@ -56,7 +51,7 @@ from ._wire import (
 )
 from ._writer import Lender, StoreWriter
 
-__all__ = ["WriterHost", "SameUserServer", "host_address", "peer_uid", "readable"]
+__all__ = ["WriterHost", "host_address"]
 
 log = logging.getLogger("shmstore")
 MAX_CLIENTS = 64  # connections one host serves at once
@@ -64,101 +59,12 @@ MAX_LOANS = 16  # chunks one client may hold lent at once
 CONNECT_TIMEOUT_S = 30.0  # a client waits this long for the host to listen
 CALL_TIMEOUT_S = 60.0  # a reply slower than this means the host is stuck: the call fails
 PEER_CHECK_S = 1.0  # while a client holds lent chunks, how often the host checks it lives
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def host_address(name: str, epoch: int) -> str:
-    """The abstract socket name (no file in the filesystem) of the host of store `name` whose
-    epoch is `epoch`. The epoch is random per create and stored in the segment, which only its
-    user can read (0600): another user can neither predict the name nor bind it first, and the
-    name has one length whatever the store's (a Linux socket name holds 107 bytes)."""
-    digest = hashlib.blake2b(f"{name}\0{epoch}".encode(), digest_size=16).hexdigest()
-    return f"\0shmstore.writer.{os.getuid()}.{digest}"
-
-
-def peer_uid(sock: socket.socket) -> int:
-    return _peer(sock)[1]
-
-
-def _peer(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process that connected `sock` (SO_PEERCRED)."""
-    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    return int(pid), int(uid)
-
-
-def readable(sock: socket.socket, timeout_s: float | None) -> bool:
-    """Whether `sock` has something to read (or was closed) within `timeout_s` (None: wait).
-    poll, not select: a server process may hold descriptors above select's 1024."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
-
-
-class SameUserServer(Closeable):
-    """A listening unix socket (`address`, in the abstract namespace) that serves processes of
-    this user only, at most `max_clients` at once: each connection gets a thread running
-    serve(sock, pid), which closes the socket when done. close() stops accepting and shuts
-    down every connection (their threads see it and end). Used by WriterHost and the miss
-    pool's host (serving/_pool_share.py)."""
-
-    _listener: socket.socket | None = None
-
-    def __init__(self, address: str, serve: Callable[[socket.socket, int], None], *,
-                 what: str, name: str, max_clients: int) -> None:
-        self.clients: set[socket.socket] = set()
-        self.closing = False
-        self._serve, self._what, self._max_clients = serve, what, max_clients
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(address)
-        except OSError as exc:
-            listener.close()
-            raise InvalidArgument(
-                f"cannot serve {what} to other processes: its socket name is taken ({exc}); "
-                "another process serves it already", "name", name) from None
-        listener.listen(max_clients)
-        self._listener = listener
-        threading.Thread(target=self._accept, name=f"shmstore-serve-{name}",
-                         daemon=True).start()
-
-    def _accept(self) -> None:
-        listener = self._listener
-        while listener is not None and not self.closing:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return  # closed
-            pid, uid = _peer(sock)
-            if uid != os.getuid() or len(self.clients) >= self._max_clients:
-                log.warning("shmstore: %s refused a connection (another user, or %d "
-                            "connections already)", self._what, self._max_clients)
-                sock.close()
-                continue
-            self.clients.add(sock)
-            threading.Thread(target=self._run, args=(sock, pid), daemon=True,
-                             name=f"shmstore-serve-{self._what}-client").start()
-
-    def _run(self, sock: socket.socket, pid: int) -> None:
-        try:
-            self._serve(sock, pid)
-        finally:
-            self.clients.discard(sock)
-
-    def close(self) -> None:
-        """Stop serving; connected clients see their connection end. Idempotent."""
-        self.closing = True
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        for sock in list(self.clients):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    @property
-    def closed(self) -> bool:
-        return self._listener is None
+    """The abstract socket name of the host of store `name` whose epoch is `epoch`
+    (local/_service.py: one another user can neither predict nor bind first)."""
+    return service_address("writer", name, epoch)
 
 
 class WriterHost(Closeable):

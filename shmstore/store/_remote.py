@@ -27,13 +27,14 @@ from ..errors import (
     WrongProcess,
 )
 from ..handle import Handle, HandOut, check_key
+from ..local._service import connect, readable
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
 from ..shm._readers import check_reader_index
 from ..shm._ring import ShmRingBuffer
 from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline
-from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address, peer_uid, readable
+from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address
 from ._wire import (
     KEY,
     MAX_GROUPS,
@@ -99,18 +100,16 @@ class RemoteWriter(Closeable):
             ring = ShmRingBuffer.attach(name, prefault=False)  # pages as the ring fills
         except (SegmentNotFound, IncompatibleSegment) as exc:
             return str(exc)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(host_address(name, ring.segment.epoch))
-            if peer_uid(sock) != os.getuid():
-                raise Closed(f"the host of store {name!r} runs as another user; refusing it")
-            sock.settimeout(CALL_TIMEOUT_S)
+            sock = connect(host_address(name, ring.segment.epoch),
+                           what=f"the host of store {name!r}", timeout_s=CALL_TIMEOUT_S)
+        except PermissionError as exc:
+            ring.close()
+            raise Closed(str(exc)) from None
         except OSError as exc:
-            sock.close()
             ring.close()
             return str(exc)
         except BaseException:
-            sock.close()
             ring.close()
             raise
         self._sock, self._ring = sock, ring

@@ -36,12 +36,9 @@ writer for numbers it does not have):
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import msgpack
 
 from .._proc import int_arg
 from ..errors import (
@@ -58,6 +55,7 @@ from ..errors import (
     StoreFull,
 )
 from ..handle import MAX_RECORD_BYTES, OBJECT_ID_BYTES, Handle, HandOut, check_key
+from ..local import _frames as frames
 
 __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GROUPS", "OPS",
            "POSTABLE", "ERRORS", "check_field",
@@ -73,7 +71,6 @@ MAX_FIELD_CHARS = 64  # the name of a peeked field
 MAX_GROUPS = 4096  # (handle, numbers) groups in one end_handouts frame; the client splits
 MAX_ERROR_CHARS = 4096  # an error message is cut here (a key quoted in it may be 1 MiB)
 MAX_FIELD_BYTES = 4096  # an error's str/bytes attribute longer than this goes as None
-LENGTH = struct.Struct("<I")
 
 KEY, KEYS, HANDLE, HANDOUT, NUMBER, MAYBE_NUMBER, NUMBERS, GROUPS, FLAG, MAYBE_FIELD = (
     "key", "keys", "handle", "handout", "number", "number?", "numbers", "groups", "flag",
@@ -343,38 +340,11 @@ def parse_request(frame: Any) -> tuple[str, list[Any], bool]:
 
 
 def send_frame(sock: socket.socket, obj: Any, limit: int = MAX_FRAME_BYTES) -> None:
-    body = msgpack.packb(obj, use_bin_type=True)
-    if len(body) > limit:  # refused before sending: the connection stays usable
-        raise InvalidArgument(f"a {obj[0]!r} request of {len(body)} bytes is over the "
-                              f"{limit}-byte frame limit: use shorter keys (a content "
-                              "hash) or fewer at once", "request", len(body))
-    sock.sendall(LENGTH.pack(len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    parts = []
-    while n:
-        part = sock.recv(min(n, 1 << 16))
-        if not part:
-            return None
-        parts.append(part)
-        n -= len(part)
-    return b"".join(parts)
+    """Send one request or reply (local/_frames.py), refused over `limit` bytes."""
+    frames.send_frame(sock, obj, limit=limit, what=f"{obj[0]!r} request",
+                      advice="use shorter keys (a content hash) or fewer at once")
 
 
 def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Any:
     """The next frame, None when the peer closed; ProtocolError for a frame out of bounds."""
-    head = _recv_exact(sock, LENGTH.size)
-    if head is None:
-        return None
-    (size,) = LENGTH.unpack(head)
-    if not 0 < size <= limit:
-        raise ProtocolError(f"frame of {size} bytes (1..{limit} allowed)")
-    body = _recv_exact(sock, size)
-    if body is None:
-        return None
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
-        raise ProtocolError(f"frame is not msgpack: {exc}") from None
+    return frames.recv_frame(sock, limit=limit)

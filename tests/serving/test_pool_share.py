@@ -158,3 +158,28 @@ def test_a_second_host_of_one_store_is_refused(name: str) -> None:
         finally:
             host.close()
             pool.close()
+
+
+def test_the_pools_name_cannot_be_derived_from_the_writer_hosts_and_taken_first(
+        name: str) -> None:
+    """Every user can list abstract socket names (/proc/net/unix): the writer host's is seen the
+    moment it binds. Another user who turns it into the pool's (as the names were once made:
+    one digest, another prefix) and binds that first must not keep the pool from its host."""
+    with hosted(name) as writer:
+        from shmstore.store._host import host_address
+        seen = host_address(name, writer.epoch)
+        squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        squatter.bind(seen.replace("shmstore.writer.", "shmstore.pool.", 1))
+        squatter.listen(1)
+        try:
+            assert seen.rsplit(".", 1)[1] not in pool_address(name, writer.epoch)
+            pool, host = serve(name, writer)
+            client = PoolClient(name)
+            try:
+                assert client.submit("a", {"bytes": b"a"}).result(READY_S) == STORED
+            finally:
+                client.close()
+                host.close()
+                pool.close()
+        finally:
+            squatter.close()

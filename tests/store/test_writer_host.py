@@ -16,8 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmstore.store import _host as writer_host
-from shmstore.store import _remote as remote
+from shmstore.local import _service as service
 from shmstore.store import _wire
 from shmstore.store._host import WriterHost, host_address
 from shmstore.store._remote import RemoteWriter
@@ -310,8 +309,9 @@ def test_bad_narrow_arguments_raise_as_the_local_writer_does_and_keep_the_connec
 
 def test_another_user_is_refused(hosted, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     writer, host, _, _, _ = hosted
-    monkeypatch.setattr(writer_host, "_peer", lambda sock: (os.getpid(), os.getuid() + 1))
-    monkeypatch.setattr(remote, "peer_uid", lambda sock: os.getuid() + 1)  # the client's check
+    # both sides read the peer's credentials through local/_service.py: the host sees another
+    # user connect, and the client a host of another user
+    monkeypatch.setattr(service, "peer", lambda sock: (os.getpid(), os.getuid() + 1))
     sock = _raw(writer)  # the host sees another user: closed before any request
     try:
         sock.sendall(struct.pack("<I", len(b := msgpack.packb(["hello"]))) + b)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from ...errors import InvalidArgument
 from ...serving._pool import FALLBACKS, MissPool, Processor
 from ...serving._pool_share import PoolClient, PoolHost
 from .._env import LOG_NAME
@@ -64,6 +65,7 @@ class PoolSender:
         self.pool: MissPool | None = None
         self._host: PoolHost | None = None
         self._client: PoolClient | None = None
+        self.unshared = ""  # why the pool is not served to the other API servers ("" if it is)
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("sent", "stored", "waited", *FALLBACKS), 0)
         if owner:
@@ -73,6 +75,10 @@ class PoolSender:
             if serve_others:
                 try:
                     self._host = PoolHost(self.pool, store_name, epoch)
+                except InvalidArgument as exc:  # its name is taken: this server's pool only
+                    self.unshared = str(exc)
+                    log.warning("shmstore: the miss pool is not shared with the other API "
+                                "servers (%s): their new images take vLLM's own path", exc)
                 except BaseException:
                     self.pool.close()
                     raise
