@@ -90,7 +90,8 @@ def main() -> None:
 
     from bench.bench_serve import photo
     from shmstore import ObjectStore
-    from shmstore.serving._pool import MissPool, Processor
+    from shmstore.serving._outcome import Processor
+    from shmstore.serving._pool import MissPool
     from shmstore.store._host import WriterHost
     from shmstore.vllm._accel._pool import make_processor
     from shmstore.vllm._vllm import build_processor

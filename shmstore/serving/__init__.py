@@ -6,10 +6,13 @@ items into these.
     _receiver.py   Receiver: a worker's reads, each hand-out once per request, checked first
     _requests.py   RequestLedger: every hand-out settled with its request
     _nodes.py      HeadPublisher (the head's relay Publisher) and NodeFeed (a worker on node k)
-    _deployment.py Shape (a deployment: store, API servers, engines, nodes, timings) and
-                   open_writer, which picks this process's writer by shape
+    _deployment.py Shape (a deployment: store, API servers, engines, nodes, pool, timings),
+                   open_writer and open_pool, which pick this process's writer and its way
+                   into the node's miss pool by shape
     _pool.py       MissPool: misses processed by worker processes straight into the store,
-                   one processing per key in flight, every failure a fallback outcome
+                   one processing per key in flight, every failure a fallback Outcome
+    _crew.py       the pool's workers: their lives in the owner (Crew) and the worker process
+    _outcome.py    the pool's words: Outcome, check_job, Processor, PoolStats, the Pool protocol
     _pool_share.py PoolHost and PoolClient: one pool per node, served to its other API servers
     _log.py        the core's logger, sent through the engine's own (log_to)
 

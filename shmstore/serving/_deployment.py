@@ -2,14 +2,16 @@
 Shape (an adapter reads its engine's configuration into one: vllm/_deployment.py Deployment)
 and the one function that picks the writer for this process's shape.
 
-Shapes, as `Shape.shape` names them:
+Shapes, as `Shape.shape` names them (and open_pool's roles in each):
 
     local    one API server (or API server 0 of several): this process creates the store
              and writes it; with several API servers it also serves the writer to the
-             others (WriterHost)
-    remote   API server 1..N-1: writes the store through API server 0's WriterHost
+             others (WriterHost); runs the node's miss pool, and serves it to the other
+             API servers (PoolHost)
+    remote   API server 1..N-1: writes the store through API server 0's WriterHost, and
+             submits its misses to API server 0's pool (PoolClient)
     relay    a tensor-parallel group across nodes: this process creates a Channel and its
-             relay Publisher; the other nodes' relays write their own stores
+             relay Publisher; the other nodes' relays write their own stores (no pool)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +29,12 @@ from ..store._api import WriterAPI
 from ..store._host import WriterHost
 from ..store._object_store import ObjectStore, StoreWriter
 from ..store._remote import RemoteWriter
+from ._log import log
+from ._outcome import Outcome, PoolStats, Processor
+from ._pool import MissPool
+from ._pool_share import PoolClient, PoolHost
 
-__all__ = ["Shape", "Writers", "open_writer"]
+__all__ = ["Shape", "Writers", "open_writer", "NodePool", "open_pool"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Shape:
     keys_file: str  # its CurveZMQ key pair ("" unset)
     allow: tuple[str, ...]  # relays' public key files
     insecure: bool  # plain TCP, no keys
+    pool_workers: int  # the node's miss pool (serving/_pool.py; 0: none)
 
     @property
     def n_readers(self) -> int:
@@ -133,3 +141,70 @@ def open_writer(d: Shape, lock: threading.RLock,
                 store.close()
             raise
     return writers
+
+
+class NodePool:
+    """This process's way into the node's miss pool, as open_pool chose it: the pool itself
+    (the store's writer process; served to the node's other API servers when there are
+    several), or a client of that one. Meets the Pool protocol; close() closes what it made."""
+
+    def __init__(self, *, pool: MissPool | None = None, host: PoolHost | None = None,
+                 client: PoolClient | None = None, unshared: str = "") -> None:
+        self.pool, self.host, self.client = pool, host, client
+        self.unshared = unshared  # why the pool is not served to the other API servers
+
+    @property
+    def waited(self) -> int:
+        """Answers whose key was in flight on the node already."""
+        if self.pool is not None:
+            return self.pool.waited
+        return 0 if self.client is None else self.client.waited
+
+    def join(self, key: str, job: Any) -> tuple[Future[Outcome], bool]:
+        """The item's future, and whether it was in flight here already (a client learns that
+        only from the answer: `waited`)."""
+        if self.pool is not None:
+            return self.pool.join(key, job)
+        if self.client is not None:
+            return self.client.join(key, job)
+        done: Future[Outcome] = Future()
+        done.set_result(Outcome.CLOSED)
+        return done, False
+
+    def submit(self, key: str, job: Any) -> Future[Outcome]:
+        return self.join(key, job)[0]
+
+    def stats(self) -> PoolStats | None:
+        """The pool's stats, from the process that runs it (None elsewhere)."""
+        return None if self.pool is None else self.pool.stats()
+
+    def close(self) -> None:
+        for part in (self.client, self.host, self.pool):
+            if part is not None:
+                part.close()
+        self.pool = self.host = self.client = None
+
+
+def open_pool(d: Shape, writers: Writers, processor: Processor, *,
+              env: dict[str, str] | None = None) -> NodePool | None:
+    """This process's way into the node's miss pool (None when the shape has none): the
+    process that writes the store runs it with d.pool_workers workers and, with several API
+    servers, serves it to the others; they submit through a client. A pool whose name cannot
+    be served (taken) stays this process's own: logged, kept in `unshared`, never a failed
+    start."""
+    if not d.pool_workers or d.shape == "relay":
+        return None
+    if writers.local is None:
+        return NodePool(client=PoolClient(d.name))
+    pool = MissPool(d.name, processor, workers=d.pool_workers, env=env)
+    if d.api_servers == 1:
+        return NodePool(pool=pool)
+    try:
+        return NodePool(pool=pool, host=PoolHost(pool, d.name, writers.local.epoch))
+    except InvalidArgument as exc:  # its name is taken: this API server's pool only
+        log.warning("shmstore: the miss pool is not shared with the other API servers (%s): "
+                    "their new images take the engine's own path", exc)
+        return NodePool(pool=pool, unshared=str(exc))
+    except BaseException:
+        pool.close()
+        raise

@@ -2,63 +2,56 @@
 store, whatever the engine (an adapter says how one item is processed: a Processor).
 
     the store's writer process                   worker process i (spawned)
-      MissPool                                     builds its processor once: factory(*args)
-        submit(key, job) -> Future[outcome]        then, for each job:
+      MissPool (the callers' side)                 builds its processor once: factory(*args)
+        submit(key, job) -> Future[Outcome]        then, for each job:
           a key in flight is waited for,              value = process(job)
           not processed twice (single flight)         RemoteWriter.store_unowed(key, value)
           no worker ready, or more than                 (one copy, into a chunk the host
           max_waiting queued: an outcome at once        lends; no reader owes it)
-        the dispatcher thread: jobs to idle  -----> [key, job]            (msgpack, a Pipe)
-          workers; a worker that dies fails  <----- [outcome, detail]
-          its job and is started again
+        the dispatcher thread (one loop):
+          jobs to idle workers             -----> [key, job]                 (msgpack, a Pipe)
+          the workers' messages            <----- ["ready"] | ["broken", why]
+                                                  | ["done", outcome, detail]
+        Crew (the workers' lives): start, ready, the job and start time limits, reap and
+          replace (outside the lock submit takes), broken after BROKEN_STARTS failed starts
 
-A job is msgpack data (the item's original bytes and what the processor needs to know of the
-request); a value is what the store stores (serde: tensors go straight into the lent chunk).
-The outcome says what the caller does next: STORED (the item is in the store: a hit now) or a
-fallback reason (FALLBACKS): the caller processes the item itself, as without the pool, and
-the engine's own errors are the ones the client sees. No outcome waits without bound: a job
-the pool cannot take now is answered at once; the caller bounds its own wait.
+A job is msgpack data with string map keys (the item's original bytes and what the processor
+needs to know of the request), checked where it is submitted; a value is what the store
+stores (serde: tensors go straight into the lent chunk). The Outcome says what the caller
+does next: STORED (the item is in the store: a hit now) or a fallback reason: the caller
+processes the item itself, as without the pool, and the engine's own errors are the ones the
+client sees. No outcome waits without bound: a job the pool cannot take now is answered at
+once; the caller bounds its own wait.
 
-Threads: submit and stats from any thread; the dispatcher thread owns the pipes.
+Workers die with their owner, whatever they are doing: the dispatcher thread starts them all,
+and each asks the kernel for SIGKILL when that thread's process goes (PR_SET_PDEATHSIG; a
+thread that watches its parent where prctl is missing).
+
+Threads: submit and stats from any thread; the dispatcher thread owns the pipes and the crew.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import multiprocessing
 import os
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import msgpack
 
 from ..errors import InvalidArgument
+from ._crew import ALREADY, BROKEN_STARTS, REAP_POLL_S, STOP_TIMEOUT_S, Crew, Says, Worker
 from ._log import log
+from ._outcome import FALLBACKS, STORED, Outcome, PoolStats, Processor, check_job
 
-__all__ = ["MissPool", "PoolStats", "Processor", "STORED", "FALLBACKS", "default_workers"]
+__all__ = ["MissPool", "default_workers"]
 
-STORED = "stored"  # the item is in the store (processed by the pool, or by another meanwhile)
-FALLBACKS = ("failed", "declined", "died", "full", "starting", "store_full", "unavailable",
-             "closed", "timeout")  # why the caller processes an item itself (PoolStats.fallback;
-# "timeout" is the caller's own: it gave up waiting)
-MAX_DETAIL_CHARS = 512  # a worker's error message, cut here
-START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loading a model is slow)
-BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
-JOB_TIMEOUT_S = 60.0  # a worker on one item longer than this is stopped (the item falls back)
-STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
 MIN_DEFAULT_WORKERS = 2  # a default pool smaller than this is none
 MAX_DEFAULT_WORKERS = 8  # each worker holds the model's processor (about 0.5 GB here)
-_READY, _BROKEN = "ready", "broken"  # what a worker says once, before any outcome
-WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
-ALREADY = "stored already"  # a STORED answer's detail when the worker did not run
 
 
 def default_workers(*, taken: int, cores: int | None = None) -> int:
@@ -71,65 +64,6 @@ def default_workers(*, taken: int, cores: int | None = None) -> int:
         cores = len(os.sched_getaffinity(0))
     spare = min(MAX_DEFAULT_WORKERS, cores - taken)
     return spare if spare >= MIN_DEFAULT_WORKERS else 0
-
-
-@dataclass(frozen=True)
-class Processor:
-    """How a worker processes one item: `factory` ("module:function") is called once in the
-    worker with `args` (sent at spawn, so picklable) and returns process(job) -> value, or None
-    for a job it does not take (the caller processes it: "declined"). An exception from
-    process is the "failed" outcome, with its message."""
-
-    factory: str
-    args: tuple[Any, ...] = ()
-
-    def build(self) -> Callable[[Any], Any]:
-        module, _, name = self.factory.partition(":")
-        return getattr(importlib.import_module(module), name)(*self.args)  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """The pool now: workers (ready, busy, starting), jobs queued, and counts since it started:
-    submitted (jobs sent to a worker), processed (jobs a worker ran the processor for: not
-    those it found stored already), stored, waited (a key already in flight: single flight),
-    fallback (by reason), restarts (workers started again after dying)."""
-
-    workers: int
-    ready: int
-    busy: int
-    queued: int
-    submitted: int
-    processed: int
-    stored: int
-    waited: int
-    restarts: int
-    fallback: dict[str, int] = field(default_factory=dict)
-
-
-class _Worker:
-    """One worker process and the parent's end of its pipe; `key` is the one it works on."""
-
-    __slots__ = ("busy_since", "conn", "key", "outbox", "pid", "process", "ready", "started_at")
-
-    def __init__(self, process: Any, conn: Connection) -> None:
-        self.process, self.pid, self.conn = process, process.pid, conn
-        self.ready = False
-        self.key: str | None = None
-        self.started_at = self.busy_since = time.monotonic()
-        # jobs go through a thread of their own: a worker that hangs (stopped, stuck in a
-        # library) blocks that thread on a full pipe, never the dispatcher
-        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        threading.Thread(target=_send_jobs, args=(conn, self.outbox), daemon=True,
-                         name=f"shmstore-pool-send-{self.pid}").start()
-
-
-def _send_jobs(conn: Connection, outbox: queue.SimpleQueue[bytes | None]) -> None:
-    """Send a worker its jobs until told to stop (None) or its pipe closes (it died: the
-    dispatcher sees its sentinel)."""
-    with contextlib.suppress(OSError, ValueError):
-        while (frame := outbox.get()) is not None:
-            conn.send_bytes(frame)
 
 
 class MissPool:
@@ -147,41 +81,42 @@ class MissPool:
                                   "workers", workers)
         self.store_name, self.processor, self.size = store_name, processor, workers
         self.max_waiting = 2 * workers if max_waiting is None else max_waiting
-        self._env = dict(env or {})
-        self._ctx = multiprocessing.get_context("spawn")
+        self._crew = Crew(store_name, processor, dict(env or {}))
         self._lock = threading.Lock()
-        self._flight: dict[str, Future[str]] = {}
-        self._ended: list[tuple[Future[str], str]] = []  # set by _flush, out of the lock
+        self._flight: dict[str, Future[Outcome]] = {}
+        self._ended: list[tuple[Future[Outcome], Outcome]] = []  # set by _flush, out of the lock
         self._queue: deque[tuple[str, bytes]] = deque()
-        self._workers: list[_Worker] = []
-        self._counts = dict.fromkeys(("submitted", "processed", "stored", "waited", "restarts"),
-                                     0)
+        self._counts = dict.fromkeys(("submitted", "processed", "stored", "waited"), 0)
         self._fallback = dict.fromkeys(FALLBACKS, 0)
-        self._failed_starts = 0
-        self.broken = ""  # why the pool stopped starting workers ("" while it runs)
+        self._starts = 0
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
-        try:
-            for _ in range(workers):
-                self._workers.append(self._start())
-        except BaseException:
-            self.close()
-            raise
         self._thread = threading.Thread(target=self._dispatch, daemon=True,
                                         name=f"shmstore-pool-{store_name}")
         self._thread.start()
         log.info("shmstore: miss pool of %d worker(s) for store %r (processor %s)", workers,
                  store_name, processor.factory)
 
+    @property
+    def broken(self) -> str:
+        """Why the pool stopped starting workers ("" while it runs)."""
+        return self._crew.broken
+
+    @property
+    def waited(self) -> int:
+        return self._counts["waited"]
+
     # -- the caller's side -----------------------------------------------------------------------
 
-    def submit(self, key: str, job: Any) -> Future[str]:
-        """A future of `key`'s outcome (STORED or a FALLBACKS reason). A key in flight gets the
-        future of the job already running (counted as waited). Any thread."""
+    def submit(self, key: str, job: Any) -> Future[Outcome]:
+        """A future of `key`'s Outcome. A key in flight gets the future of the job already
+        running (counted as waited). InvalidArgument for a job a worker could not read
+        (check_job). Any thread."""
         return self.join(key, job)[0]
 
-    def join(self, key: str, job: Any) -> tuple[Future[str], bool]:
+    def join(self, key: str, job: Any) -> tuple[Future[Outcome], bool]:
         """submit, and whether the key was in flight already (waited for, not sent again)."""
+        check_job(job)
         try:  # outside the lock: a photo's bytes are copied into the frame
             frame = msgpack.packb([key, job], use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
@@ -193,55 +128,43 @@ class MissPool:
                 self._counts["waited"] += 1
                 return running, True
             reason = self._refusal()
-            if reason:
+            if reason is not None:
                 self._fallback[reason] += 1
-                done: Future[str] = Future()
+                done: Future[Outcome] = Future()
                 done.set_result(reason)
                 return done, False
-            future: Future[str] = Future()
+            future: Future[Outcome] = Future()
             self._flight[key] = future
             self._queue.append((key, frame))
         self._wake()
         return future, False
 
-    def _refusal(self) -> str:
-        """Why a new job cannot be taken now ("" if it can); under the lock."""
+    def _refusal(self) -> Outcome | None:
+        """Why a new job cannot be taken now (None if it can); under the lock."""
         if self._closed:
-            return "closed"
-        if self.broken:
-            return "unavailable"
-        if not any(w.ready for w in self._workers):
-            return "starting"
+            return Outcome.CLOSED
+        if self._crew.broken:
+            return Outcome.UNAVAILABLE
+        if not any(w.ready for w in self._crew.workers):
+            return Outcome.STARTING
         if len(self._queue) >= self.max_waiting:
-            return "full"
-        return ""
+            return Outcome.FULL
+        return None
 
     def stats(self) -> PoolStats:
         with self._lock:
+            workers = self._crew.workers
             return PoolStats(
-                workers=len(self._workers), ready=sum(w.ready for w in self._workers),
-                busy=sum(w.key is not None for w in self._workers), queued=len(self._queue),
-                fallback=dict(self._fallback), **self._counts)
+                workers=len(workers), ready=sum(w.ready for w in workers),
+                busy=sum(w.key is not None for w in workers), queued=len(self._queue),
+                fallback={o.value: n for o, n in self._fallback.items()},
+                restarts=max(0, self._starts - self.size), **self._counts)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
-            return [w.pid for w in self._workers]
+            return [w.pid for w in self._crew.workers]
 
     # -- the dispatcher thread -------------------------------------------------------------------
-
-    def _start(self) -> _Worker:
-        ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=_worker_main, args=(self.store_name, self.processor, theirs, self._env),
-            name="shmstore-pool-worker", daemon=True)
-        try:
-            process.start()
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        return _Worker(process, ours)
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -249,29 +172,47 @@ class MissPool:
 
     def _dispatch(self) -> None:
         try:
+            self._fill()
             while not self._closed:
                 with self._lock:
                     self._assign()
-                    waitables: list[Any] = [self._wake_r]
-                    for w in self._workers:
-                        waitables += [w.conn, w.process.sentinel]
-                    watch = any(not w.ready or w.key is not None for w in self._workers)
-                timeout = 1.0 if watch else None  # a start or a job to time
+                    waitables = [self._wake_r, *self._crew.waitables()]
+                    timeout = 1.0 if self._crew.watching() else None  # a start or a job to time
                 for ready in wait(waitables, timeout):
                     if ready == self._wake_r:
                         os.read(self._wake_r, 4096)
-                self._collect()
+                said = [(w, self._crew.read(w)) for w in list(self._crew.workers)]
+                with self._lock:
+                    for w, messages in said:
+                        for message in messages:
+                            self._heard(w, message)
+                    gone = self._gone()
+                self._crew.stop(gone)  # killed and reaped outside the lock
+                self._fill()
                 self._flush()
         except Exception:  # a bug here: every job falls back from now on, nothing hangs
             log.exception("shmstore: miss pool of store %r stopped", self.store_name)
             with self._lock:
-                self.broken = "its dispatcher failed"
-                self._fail_all("unavailable")
+                self._crew.broken = "its dispatcher failed"
+                self._fail_all(Outcome.UNAVAILABLE)
             self._flush()
+
+    def _fill(self) -> None:
+        """Start workers up to the pool's size (outside the lock: a spawn takes milliseconds),
+        unless the pool is closed or broken. The dispatcher thread starts every worker: each
+        dies with it (PR_SET_PDEATHSIG follows the thread that started a process)."""
+        while True:
+            with self._lock:
+                if self._closed or self._crew.broken or len(self._crew.workers) >= self.size:
+                    return
+            w = self._crew.start()
+            with self._lock:
+                self._crew.workers.append(w)
+                self._starts += 1
 
     def _assign(self) -> None:
         """Send queued jobs to ready, idle workers; under the lock."""
-        for w in self._workers:
+        for w in self._crew.workers:
             if not self._queue:
                 return
             if w.ready and w.key is None:
@@ -280,68 +221,71 @@ class MissPool:
                 w.key, w.busy_since = key, time.monotonic()
                 self._counts["submitted"] += 1
 
-    def _collect(self) -> None:
-        """Read the workers' answers, and replace the workers that died."""
-        with self._lock:
-            workers: list[_Worker] = []
-            for w in self._workers:
-                answer = self._answer(w)
-                if answer is not None:
-                    self._answered(w, *answer)
-                now = time.monotonic()
-                if w.ready and w.key is not None and now - w.busy_since > JOB_TIMEOUT_S:
-                    log.warning("shmstore: a miss pool worker (pid %s) took over %.0f s on "
-                                "item %s: it is stopped and the item falls back", w.pid,
-                                JOB_TIMEOUT_S, w.key)
-                elif w.process.is_alive() and (w.ready or now - w.started_at < START_TIMEOUT_S):
-                    workers.append(w)
-                    continue
-                new = self._replace(w)
-                if new is not None:
-                    workers.append(new)
-            self._workers = workers
-
-    def _answer(self, w: _Worker) -> tuple[str, str] | None:
-        try:
-            if not w.conn.poll():
-                return None
-            words = msgpack.unpackb(w.conn.recv_bytes(), raw=False)
-            outcome, detail = words
-            if not isinstance(outcome, str) or not isinstance(detail, str):
-                raise ValueError("not [str, str]")
-            return outcome, detail
-        except (OSError, EOFError):
-            return None  # died: the sentinel says so
-        except Exception as exc:  # our own child, yet: never trust a frame
-            log.warning("shmstore: a miss pool worker sent a malformed answer (%s)", exc)
-            return "failed", "malformed answer"
-
-    def _answered(self, w: _Worker, outcome: str, detail: str) -> None:
-        if outcome == _READY:
+    def _heard(self, w: Worker, message: Any) -> None:
+        """One message of `w`'s; under the lock."""
+        kind = message[0] if isinstance(message, list) and message else None
+        if kind == Says.READY and len(message) == 1:
             w.ready = True
-            self._failed_starts = 0
-            return
-        if outcome == _BROKEN:
-            self._failed_starts = BROKEN_STARTS
-            self.broken = detail
+            self._crew.failed_starts = 0
+        elif kind == Says.BROKEN and len(message) == 2:
+            self._crew.failed_starts = BROKEN_STARTS
+            self._crew.broken = str(message[1])
             log.warning("shmstore: the miss pool cannot build its processor (%s): every miss "
-                        "takes the engine's own path", detail)
-            self._fail_all("unavailable")
-            return
+                        "takes the engine's own path", self._crew.broken)
+            self._fail_all(Outcome.UNAVAILABLE)
+        elif kind == Says.DONE and len(message) == 3 and isinstance(message[2], str):
+            self._done(w, message[1], message[2])
+        else:
+            log.warning("shmstore: a miss pool worker (pid %s) sent %.80r", w.pid, message)
+            self._done(w, Outcome.FAILED.value, "malformed answer")
+
+    def _done(self, w: Worker, word: Any, detail: str) -> None:
         key, w.key = w.key, None
         if key is None:
             return
+        try:
+            outcome = Outcome(word)
+        except ValueError:
+            outcome = Outcome.FAILED
         if detail != ALREADY:
             self._counts["processed"] += 1
-        if outcome == STORED:
+        if outcome is STORED:
             self._counts["stored"] += 1
         else:
-            outcome = outcome if outcome in FALLBACKS else "failed"
             self._fallback[outcome] += 1
-            log.debug("shmstore: miss pool: %s %s (%s)", key, outcome, detail)
+            log.debug("shmstore: miss pool: %s %s (%s)", key, outcome.value, detail)
         self._settle(key, outcome)
 
-    def _settle(self, key: str, outcome: str) -> None:
+    def _gone(self) -> list[Worker]:
+        """Take out the workers that died or are over a time limit, their jobs falling back
+        ("died"); under the lock. The caller stops them, outside it."""
+        now = time.monotonic()
+        keep, gone = [], []
+        for w in self._crew.workers:
+            why = w.overdue(now)
+            if not why:
+                keep.append(w)
+                continue
+            if w.key is not None:
+                log.warning("shmstore: a miss pool worker (pid %s) %s: it is stopped and item "
+                            "%s falls back", w.pid, why, w.key)
+                self._fallback[Outcome.DIED] += 1
+                self._settle(w.key, Outcome.DIED)
+                w.key = None
+            elif w.ready or why != "died":
+                log.warning("shmstore: a miss pool worker (pid %s) %s", w.pid, why)
+            if not w.ready:
+                was = self._crew.broken
+                self._crew.started_badly(w)
+                if self._crew.broken and not was:
+                    log.warning("shmstore: the miss pool stops: %s; every miss takes the "
+                                "engine's own path", self._crew.broken)
+                    self._fail_all(Outcome.UNAVAILABLE)
+            gone.append(w)
+        self._crew.workers = keep
+        return gone
+
+    def _settle(self, key: str, outcome: Outcome) -> None:
         """`key`'s job ended; its future is set once the lock is released (_flush): its
         callbacks (another process's answer, an event loop's wake-up) never run under it."""
         future = self._flight.pop(key, None)
@@ -356,29 +300,7 @@ class MissPool:
             if not future.done():
                 future.set_result(outcome)
 
-    def _replace(self, w: _Worker) -> _Worker | None:
-        """`w` died (or never got ready): its job falls back, and a new worker starts unless
-        workers keep dying before they are ready."""
-        _stop(w)
-        if w.key is not None:
-            self._fallback["died"] += 1
-            log.warning("shmstore: a miss pool worker (pid %s) died on item %s: it falls back",
-                        w.pid, w.key)
-            self._settle(w.key, "died")
-            w.key = None
-        if not w.ready:
-            self._failed_starts += 1
-        if self._failed_starts >= BROKEN_STARTS and not self.broken:
-            self.broken = f"{BROKEN_STARTS} workers in a row died before they were ready"
-            log.warning("shmstore: the miss pool stops: %s; every miss takes the engine's own "
-                        "path", self.broken)
-            self._fail_all("unavailable")
-        if self.broken or self._closed:
-            return None
-        self._counts["restarts"] += 1
-        return self._start()
-
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: Outcome) -> None:
         """Every queued job ends with `reason`; under the lock."""
         while self._queue:
             key, _ = self._queue.popleft()
@@ -391,25 +313,27 @@ class MissPool:
         """Stop: queued and running jobs end with "closed", every worker exits (killed after
         STOP_TIMEOUT_S). Idempotent."""
         with self._lock:
-            if self._closed and not self._workers:
+            if self._closed and not self._crew.workers:
                 return
             self._closed = True
-            self._fail_all("closed")
+            self._fail_all(Outcome.CLOSED)
             for key in list(self._flight):
-                self._fallback["closed"] += 1
-                self._settle(key, "closed")
-            workers, self._workers = self._workers, []
+                self._fallback[Outcome.CLOSED] += 1
+                self._settle(key, Outcome.CLOSED)
         self._flush()
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(STOP_TIMEOUT_S)
+        with self._lock:
+            workers, self._crew.workers = self._crew.workers, []
         for w in workers:
             w.outbox.put(None)
             w.conn.close()  # the worker reads EOF and exits
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for w in workers:
-            w.process.join(max(0.0, deadline - time.monotonic()))
-            _stop(w)
+        while (any(w.process.exitcode is None for w in workers)
+               and time.monotonic() < deadline):
+            time.sleep(REAP_POLL_S)
+        self._crew.stop(workers)
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -419,68 +343,3 @@ class MissPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _stop(w: _Worker) -> None:
-    """Kill `w` if it still runs, reap it, close its pipe (its sender thread ends)."""
-    w.outbox.put(None)
-    if w.process.is_alive():
-        w.process.kill()
-    w.process.join(STOP_TIMEOUT_S)
-    with contextlib.suppress(ValueError):
-        w.process.close()
-    w.conn.close()
-
-
-# -- the worker process ---------------------------------------------------------------------------
-
-def _worker_main(store_name: str, processor: Processor, conn: Connection,
-                 env: dict[str, str]) -> None:
-    """Build the processor, say ready, then answer each job until the pipe closes."""
-    os.environ.update(env)
-    with contextlib.suppress(OSError):  # the name ps and /proc/PID/comm show
-        with open("/proc/self/comm", "w") as comm:
-            comm.write(WORKER_NAME)
-    from ..errors import KeyExists, ObjectTooLarge, ShmStoreError, StoreFull
-    from ..store._remote import RemoteWriter
-
-    def say(outcome: str, detail: str = "") -> None:
-        conn.send_bytes(msgpack.packb([outcome, detail[:MAX_DETAIL_CHARS]], use_bin_type=True))
-
-    try:
-        process = processor.build()
-        writer = RemoteWriter(store_name)
-    except Exception as exc:
-        say(_BROKEN, f"{type(exc).__name__}: {exc}")
-        return
-    say(_READY)
-    with writer:
-        while True:
-            try:
-                key, job = msgpack.unpackb(conn.recv_bytes(), raw=False)
-            except (EOFError, OSError):
-                return  # the pool closed, or its process is gone
-            try:  # stored meanwhile (sent again just after it was stored): not run again
-                if writer.cached([key])[0]:
-                    say(STORED, ALREADY)
-                    continue
-            except ShmStoreError as exc:
-                say("failed", f"{type(exc).__name__}: {exc}")
-                continue
-            try:
-                value = process(job)
-            except Exception as exc:
-                say("failed", f"{type(exc).__name__}: {exc}")
-                continue
-            if value is None:
-                say("declined")
-                continue
-            try:
-                writer.store_unowed(key, value)
-                say(STORED)
-            except KeyExists:
-                say(STORED, "stored by another meanwhile")
-            except (StoreFull, ObjectTooLarge) as exc:
-                say("store_full", str(exc))
-            except ShmStoreError as exc:
-                say("failed", f"{type(exc).__name__}: {exc}")

@@ -32,7 +32,8 @@ from ..local._service import SameUserServer, connect, service_address
 from ..shm._closeable import Closeable
 from ..shm._header import peek_epoch
 from ._log import log
-from ._pool import FALLBACKS, MissPool
+from ._outcome import Outcome, check_job
+from ._pool import MissPool
 
 __all__ = ["PoolHost", "PoolClient", "pool_address", "MAX_JOB_BYTES"]
 
@@ -42,6 +43,7 @@ MAX_CLIENTS = 64  # connections one host serves
 MAX_PENDING = 256  # jobs one connection may have in flight
 RETRY_S = 1.0  # a client without a host tries to connect again after this long
 CONNECT_TIMEOUT_S = 1.0
+_WORDS = frozenset(o.value for o in Outcome)
 
 
 def pool_address(name: str, epoch: int) -> str:
@@ -85,12 +87,12 @@ class PoolHost(Closeable):
                     pending[0] += 1
                     over = pending[0] > MAX_PENDING
                 if over:
-                    answer(job_id, "full", False)
+                    answer(job_id, Outcome.FULL.value, False)
                     continue
                 try:
                     future, waited = self._pool.join(key, job)
                 except InvalidArgument:
-                    answer(job_id, "failed", False)
+                    answer(job_id, Outcome.FAILED.value, False)
                     continue
                 future.add_done_callback(functools.partial(_answer_with, answer, job_id,
                                                            waited))
@@ -111,8 +113,8 @@ class PoolHost(Closeable):
         return self._server is None or self._server.closed
 
 
-def _answer_with(answer: Any, job_id: int, waited: bool, future: Future[str]) -> None:
-    answer(job_id, future.result(), waited)
+def _answer_with(answer: Any, job_id: int, waited: bool, future: Future[Outcome]) -> None:
+    answer(job_id, future.result().value, waited)
 
 
 def _write_answers(sock: socket.socket, answers: queue.SimpleQueue[list[Any] | None]) -> None:
@@ -145,18 +147,25 @@ class PoolClient(Closeable):
         self.name = name
         self._lock = threading.Lock()
         self._send = threading.Lock()
-        self._pending: dict[int, tuple[socket.socket, Future[str]]] = {}
+        self._pending: dict[int, tuple[socket.socket, Future[Outcome]]] = {}
         self._ids = itertools.count(1)
         self._next_try = 0.0
         self._closed = False
         self.waited = 0  # answers whose key was in flight already on the node
 
-    def submit(self, key: str, job: Any) -> Future[str]:
-        future: Future[str] = Future()
+    def submit(self, key: str, job: Any) -> Future[Outcome]:
+        return self.join(key, job)[0]
+
+    def join(self, key: str, job: Any) -> tuple[Future[Outcome], bool]:
+        """submit; whether the key was in flight is known only when the answer comes (counted
+        in `waited` then), so always False here. InvalidArgument for a job a worker could not
+        read (check_job), as the local pool's."""
+        check_job(job)
+        future: Future[Outcome] = Future()
         sock = self._connected()
         if sock is None:
-            future.set_result("closed" if self._closed else "unavailable")
-            return future
+            future.set_result(Outcome.CLOSED if self._closed else Outcome.UNAVAILABLE)
+            return future, False
         job_id = next(self._ids)
         with self._lock:
             self._pending[job_id] = (sock, future)
@@ -164,13 +173,14 @@ class PoolClient(Closeable):
             with self._send:
                 send_frame(sock, [job_id, key, job], limit=MAX_JOB_BYTES, what="miss pool job",
                            advice="the item is processed where it is")
-        except (OSError, InvalidArgument, TypeError, ValueError) as exc:
+        except (OSError, InvalidArgument, TypeError, ValueError, OverflowError) as exc:
             with self._lock:
                 self._pending.pop(job_id, None)
             if isinstance(exc, OSError):
                 self._drop(sock)
-            future.set_result("unavailable" if isinstance(exc, OSError) else "failed")
-        return future
+            future.set_result(Outcome.UNAVAILABLE if isinstance(exc, OSError)
+                              else Outcome.FAILED)
+        return future, False
 
     def _connected(self) -> socket.socket | None:
         with self._lock:
@@ -200,14 +210,14 @@ class PoolClient(Closeable):
                 if frame is None:
                     break
                 if (not isinstance(frame, list) or len(frame) != 3
-                        or type(frame[0]) is not int or frame[1] not in (*FALLBACKS, "stored")
+                        or type(frame[0]) is not int or frame[1] not in _WORDS
                         or type(frame[2]) is not bool):
                     raise ProtocolError("a miss pool answer is [id, outcome, waited]")
                 with self._lock:
                     found = self._pending.pop(frame[0], None)
                     self.waited += frame[2]
                 if found is not None:
-                    found[1].set_result(frame[1])
+                    found[1].set_result(Outcome(frame[1]))
         except (ProtocolError, OSError) as exc:
             log.warning("shmstore: the miss pool of %r: connection dropped (%s)", self.name, exc)
         self._drop(sock)
@@ -224,7 +234,7 @@ class PoolClient(Closeable):
         sock.close()
         for future in futures:
             if not future.done():
-                future.set_result("closed" if self._closed else "unavailable")
+                future.set_result(Outcome.CLOSED if self._closed else Outcome.UNAVAILABLE)
 
     def close(self) -> None:
         with self._lock:

@@ -56,7 +56,6 @@ class Deployment(Shape):
     accelerate: bool  # lazy images and prompt-update records (vllm/_accel)
     processor_identity: bytes  # vLLM version, model, tokenizer, processor config: 16 bytes
     vocab_size: int  # token ids in a record are below it (0: unknown)
-    pool_workers: int  # the node's miss pool (serving/_pool.py; 0: none)
     pool_why: str  # how its size was chosen (logged)
     model_config: Any = field(default=None, compare=False, repr=False)  # for the pool's workers
 

@@ -32,13 +32,14 @@ from typing import Any
 
 from ..errors import InvalidArgument, KeyExists
 from ..handle import HandOut
-from ..serving._deployment import open_writer
+from ..serving._deployment import open_pool, open_writer
 from ..serving._nodes import HeadPublisher
-from ..serving._pool import PoolStats
+from ..serving._outcome import PoolStats
 from ..serving._sender import Sender, Unreachable
 from ..store._api import WriterAPI
 from ._accel import RECORD_FIELD, Acceleration, realize_misses
 from ._accel._pool import PoolSender
+from ._accel._pool import processor as pool_processor
 from ._deployment import Deployment
 from ._env import ACCELERATE_ENV, LOG_NAME, PUBLISH_ENV
 from ._items import handle_item, handout_from_item, item_to_value
@@ -85,10 +86,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                      "" if d.accelerate or not d.pool_workers else
                      f"; off: it needs {ACCELERATE_ENV} on")
         if pooled and self.accel.lazy_images:
-            local = self._writers.local
-            self.pool = PoolSender(d.name, d.pool_workers, d.model_config,
-                                   owner=local is not None, serve_others=d.api_servers > 1,
-                                   epoch=0 if local is None else local.epoch)
+            node = open_pool(d, self._writers, pool_processor(d.model_config),
+                             env={"OMP_NUM_THREADS": "1"})
+            self.pool = None if node is None else PoolSender(node)
         self._unregister_metrics = _export_metrics(self)
         SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
@@ -316,9 +316,7 @@ class _SenderCollector:
                 family.add_metric([*labels, key], count)
             yield family
         if sender.pool is not None:
-            pool = sender.pool.pool
-            yield from _pool_families(sender.pool.snapshot(),
-                                      None if pool is None else pool.stats(), labels)
+            yield from _pool_families(sender.pool.snapshot(), sender.pool.node.stats(), labels)
         family = CounterMetricFamily("shmstore_inline_fallbacks",
                                      "Values sent inline because too large or store full",
                                      labels=["segment", "api_server"])

@@ -3,6 +3,7 @@ one processing per key in flight, and every failure an outcome the caller falls 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -15,7 +16,8 @@ import pytest
 
 from shmstore._proc import pid_alive
 from shmstore.errors import InvalidArgument
-from shmstore.serving._pool import FALLBACKS, STORED, MissPool, Processor, default_workers
+from shmstore.serving._outcome import FALLBACKS, STORED, Processor
+from shmstore.serving._pool import MissPool, default_workers
 from shmstore.store._host import WriterHost
 from tests._names import ObjectStore
 from tests._waiting import wait_for
@@ -259,11 +261,97 @@ def test_a_hung_worker_never_blocks_the_pool(name: str) -> None:
 
 def test_a_job_over_the_time_limit_stops_its_worker_and_falls_back(
         name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmstore.serving import _pool
+    from shmstore.serving import _crew
 
-    monkeypatch.setattr(_pool, "JOB_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_crew, "JOB_TIMEOUT_S", 0.5)
     with hosted(name), pool_of(name, 1, str(tmp_path)) as pool:
         (pid,) = pool.worker_pids()
         assert outcome(pool, "forever", {"bytes": b"f", "hold": True}) == "died"
         wait_for(lambda: not pid_alive(pid), READY_S, "the stuck worker to be gone")
         assert pool.stats().restarts == 1
+
+
+def _holding_owner(name: str, gate: str, pids: Any) -> None:
+    with hosted(name):
+        pool = MissPool(name, Processor(TOY, (gate,)), workers=1)
+        wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker")
+        pool.submit("held", {"bytes": b"h", "hold": True})
+        wait_for(lambda: len(started(gate)) == 1, READY_S, "the held job")
+        pids.put(pool.worker_pids())
+        threading.Event().wait()  # until killed
+
+
+def test_a_worker_inside_a_job_dies_with_its_owner(name: str, tmp_path: Any) -> None:
+    """The owner is SIGKILLed while its worker runs a job that never ends (a stuck processor):
+    the worker goes too, without reading its pipe (the kernel's parent-death signal)."""
+    ctx = multiprocessing.get_context("spawn")
+    pids: Any = ctx.Queue()
+    owner = ctx.Process(target=_holding_owner, args=(name, str(tmp_path), pids))
+    owner.start()
+    try:
+        workers = pids.get(timeout=READY_S)
+        owner.kill()
+        owner.join(READY_S)
+        wait_for(lambda: not any(pid_alive(pid) for pid in workers), READY_S,
+                 "the worker to die with its owner")
+    finally:
+        open(os.path.join(str(tmp_path), "open"), "w").close()
+        if owner.is_alive():
+            owner.kill()
+        owner.join()
+
+
+def test_a_pool_made_on_a_thread_that_ends_keeps_its_workers(name: str) -> None:
+    """Workers die with the thread that started them: the dispatcher starts them all, so a
+    pool built on a short-lived thread (an executor's) keeps working after it ends."""
+    made: list[MissPool] = []
+    maker = threading.Thread(target=lambda: made.append(MissPool(name, Processor(TOY),
+                                                                 workers=1)))
+    with hosted(name):
+        maker.start()
+        maker.join()
+        with made[0] as pool:
+            wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker")
+            assert outcome(pool, "k", {"bytes": b"k"}) == STORED
+            assert pool.stats().restarts == 0
+
+
+def test_stopping_a_worker_whose_helper_holds_its_pipes_never_holds_up_the_pool(
+        name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker over the time limit is killed, but a helper its processor forked still holds
+    the worker's pipe (the sentinel join would wait on): its item falls back at once and the
+    pool answers, whatever STOP_TIMEOUT_S is (the reap polls waitpid, outside the lock)."""
+    import signal
+
+    from shmstore.serving import _crew
+
+    monkeypatch.setattr(_crew, "JOB_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_crew, "STOP_TIMEOUT_S", 600.0)
+    gate = str(tmp_path)
+    with hosted(name), pool_of(name, 1, gate) as pool:
+        try:
+            stuck = pool.submit("stuck", {"bytes": b"s", "hold": True, "helper": True})
+            assert stuck.result(READY_S) == "died"
+            wait_for(lambda: pool.stats().ready == 1, READY_S, "the new worker")
+            assert outcome(pool, "next", {"bytes": b"n"}) == STORED
+        finally:
+            for f in os.listdir(gate):
+                if f.startswith("helper-"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(f.split("-")[1]), signal.SIGKILL)
+
+
+def test_a_job_a_worker_could_not_read_is_refused_where_it_is_submitted(name: str) -> None:
+    """msgpack packs a map with int keys, but a worker reads maps with str keys only: such a
+    job is refused at submit (it once killed the worker it reached)."""
+    with hosted(name), pool_of(name, 1) as pool:
+        (pid,) = pool.worker_pids()
+        with pytest.raises(InvalidArgument, match="map keys must be str"):
+            pool.submit("k", {"bytes": b"k", "kwargs": {1: "one"}})
+        with pytest.raises(InvalidArgument, match="nests deeper"):
+            deep: Any = b"x"
+            for _ in range(40):
+                deep = [deep]
+            pool.submit("k", {"bytes": deep})
+        assert outcome(pool, "k", {"bytes": b"ok"}) == STORED
+        assert pool.worker_pids() == [pid] and pool.stats().restarts == 0

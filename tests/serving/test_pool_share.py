@@ -14,8 +14,10 @@ from typing import Any
 import msgpack
 import pytest
 
+from shmstore.errors import InvalidArgument
 from shmstore.serving import _pool_share as share
-from shmstore.serving._pool import STORED, MissPool, Processor
+from shmstore.serving._outcome import STORED, Processor
+from shmstore.serving._pool import MissPool
 from shmstore.serving._pool_share import PoolClient, PoolHost, pool_address
 from tests._waiting import wait_for
 from tests.serving.test_pool import READY_S, TOY, hosted, started
@@ -183,3 +185,18 @@ def test_the_pools_name_cannot_be_derived_from_the_writer_hosts_and_taken_first(
                 pool.close()
         finally:
             squatter.close()
+
+
+def test_a_job_with_int_map_keys_is_refused_by_the_client_and_the_connection_stays(
+        name: str, tmp_path: Any) -> None:
+    """Such a job once reached the host, whose decoder dropped the whole connection: the API
+    server's other jobs in flight then fell back. Now the client refuses it before sending."""
+    gate = str(tmp_path)
+    with served(name, gate) as (_, _, _, client):
+        held = client.submit("held", {"bytes": b"h", "hold": True})
+        wait_for(lambda: len(started(gate)) == 1, READY_S, "the held job")
+        with pytest.raises(InvalidArgument, match="map keys must be str"):
+            client.submit("bad", {"bytes": b"b", "kwargs": {7: "seven"}})
+        open(os.path.join(gate, "open"), "w").close()
+        assert held.result(READY_S) == STORED
+        assert client.submit("next", {"bytes": b"n"}).result(READY_S) == STORED

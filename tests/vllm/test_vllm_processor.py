@@ -157,7 +157,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
     and gets vLLM's own error on the API server, as without the pool."""
     import types
 
-    from shmstore.serving._pool import STORED
+    from shmstore.serving._outcome import STORED
     from shmstore.vllm._accel._pool import PoolSender
     from tests._waiting import wait_for
 

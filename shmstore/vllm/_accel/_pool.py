@@ -29,9 +29,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ...errors import InvalidArgument
-from ...serving._pool import FALLBACKS, MissPool, Processor
-from ...serving._pool_share import PoolClient, PoolHost
+from ...serving._deployment import NodePool
+from ...serving._outcome import Outcome, Processor
 from .._env import LOG_NAME
 from .._items import item_to_value
 from .._vllm import (
@@ -47,7 +46,7 @@ from .._vllm import (
 from ._images import LazyImage
 from ._records import RECORD_FIELD, write
 
-__all__ = ["PoolSender", "make_processor", "WAIT_S"]
+__all__ = ["PoolSender", "make_processor", "processor", "WAIT_S"]
 
 log = logging.getLogger(LOG_NAME)
 WAIT_S = 120.0  # a request waits this long for its items from the pool, then processes them
@@ -55,65 +54,39 @@ MODALITY = "image"
 
 
 class PoolSender:
-    """One API server's way into the node's miss pool: the pool itself on the API server that
-    writes the store (served to the others with several API servers), a PoolClient of it on
-    the others. `counts` are this API server's: items sent, stored, waited for (in flight on
-    the node already) and each fallback reason."""
+    """One API server's way into the node's miss pool (serving/_deployment.py open_pool chose
+    its role: the pool itself, or a client of it). `counts` are this API server's: items
+    sent, stored, waited for (in flight on the node already) and each fallback reason."""
 
-    def __init__(self, store_name: str, workers: int, model_config: Any, *, owner: bool,
-                 serve_others: bool, epoch: int = 0) -> None:
-        self.pool: MissPool | None = None
-        self._host: PoolHost | None = None
-        self._client: PoolClient | None = None
-        self.unshared = ""  # why the pool is not served to the other API servers ("" if it is)
+    def __init__(self, node: NodePool) -> None:
+        self.node = node
         self._lock = threading.Lock()
-        self.counts = dict.fromkeys(("sent", "stored", "waited", *FALLBACKS), 0)
-        if owner:
-            self.pool = MissPool(store_name,
-                                 Processor(f"{__name__}:make_processor", (model_config,)),
-                                 workers=workers, env={"OMP_NUM_THREADS": "1"})
-            if serve_others:
-                try:
-                    self._host = PoolHost(self.pool, store_name, epoch)
-                except InvalidArgument as exc:  # its name is taken: this server's pool only
-                    self.unshared = str(exc)
-                    log.warning("shmstore: the miss pool is not shared with the other API "
-                                "servers (%s): their new images take vLLM's own path", exc)
-                except BaseException:
-                    self.pool.close()
-                    raise
-        else:
-            self._client = PoolClient(store_name)
+        self.counts = dict.fromkeys(("sent", *(o.value for o in Outcome), "waited"), 0)
 
-    def submit(self, key: str, job: Any) -> Future[str]:
+    def submit(self, key: str, job: Any) -> Future[Outcome]:
         """Send one item's job to the node's pool; its outcome is counted when it comes."""
-        if self.pool is not None:
-            future, waited = self.pool.join(key, job)
-        elif self._client is not None:
-            future, waited = self._client.submit(key, job), False  # its answers count waits
-        else:
-            raise RuntimeError("the miss pool sender has neither a pool nor a client")
+        future, waited = self.node.join(key, job)
         with self._lock:
             self.counts["sent"] += 1
             self.counts["waited"] += waited
         future.add_done_callback(self._count)
         return future
 
-    def _count(self, future: Future[str]) -> None:
+    def _count(self, future: Future[Outcome]) -> None:
         outcome = future.result()
         with self._lock:
-            self.counts[outcome if outcome in self.counts else "failed"] += 1
+            self.counts[outcome.value] += 1
 
     def snapshot(self) -> dict[str, int]:
         """This API server's counts now (a client's waits as its answers said)."""
         with self._lock:
             counts = dict(self.counts)
-        if self._client is not None:
-            counts["waited"] = self._client.waited
+        if self.node.client is not None:
+            counts["waited"] = self.node.waited
         return counts
 
     def jobs(self, renderer: Any, prompt: Any, fingerprint: Callable[[Any], bytes | None],
-             cached: Callable[[list[str]], list[bool]]) -> list[Future[str]]:
+             cached: Callable[[list[str]], list[bool]]) -> list[Future[Outcome]]:
         """Send the request's lazy images that are not stored to the pool; their futures."""
         found = request_hashes(renderer, prompt)
         if found is None:
@@ -154,12 +127,15 @@ class PoolSender:
                                         timeout=WAIT_S)
         if pending:
             with self._lock:
-                self.counts["timeout"] += len(pending)
+                self.counts[Outcome.TIMEOUT.value] += len(pending)
 
     def close(self) -> None:
-        for part in (self._client, self._host, self.pool):
-            if part is not None:
-                part.close()
+        self.node.close()
+
+
+def processor(model_config: Any) -> Processor:
+    """How the pool's workers process one item of this model (make_processor, in each)."""
+    return Processor(f"{__name__}:make_processor", (model_config,))
 
 
 # -- in a pool worker ---------------------------------------------------------------------------

@@ -1,0 +1,252 @@
+"""The miss pool's workers: their lives in the owner's process (Crew: start, read, find the
+ones to stop, stop, replace) and the worker process itself (_worker_main).
+
+    owner's dispatcher thread                    worker process (spawned by that thread)
+      job frames: [key, job]            ----->     builds its processor, then per job:
+      messages:   ["ready"]             <-----       stored already? process, store_unowed
+                  ["broken", why]                    (a job it cannot read: "failed")
+                  ["done", outcome, detail]
+
+A worker dies with its owner whatever it is doing: it asks the kernel for SIGKILL when the
+thread that started it goes (PR_SET_PDEATHSIG; a thread that watches its parent where prctl
+is missing), and the dispatcher thread starts every worker and ends only with the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from enum import Enum
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+
+from ._log import log
+from ._outcome import STORED, Outcome, Processor
+
+__all__ = ["ALREADY", "BROKEN_STARTS", "JOB_TIMEOUT_S", "START_TIMEOUT_S", "STOP_TIMEOUT_S",
+           "REAP_POLL_S", "WORKER_NAME", "Says", "Crew", "Worker"]
+
+MAX_DETAIL_CHARS = 512  # a worker's error message, cut here
+START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loading a model is slow)
+BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
+JOB_TIMEOUT_S = 60.0  # a worker on one item longer than this is stopped (the item falls back)
+STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
+REAP_POLL_S = 0.005  # a killed worker's exit is polled (waitpid), never waited on its pipe
+OWNER_CHECK_S = 0.5  # where prctl is missing, a worker looks for its owner this often
+WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
+ALREADY = "stored already"  # a STORED answer's detail when the worker did not run
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class Says(str, Enum):
+    """The kinds of message a worker sends: once ready or broken, then one done per job."""
+
+    READY = "ready"
+    BROKEN = "broken"
+    DONE = "done"
+
+
+
+class Worker:
+    """One worker process and the parent's end of its pipe; `key` is the one it works on."""
+
+    __slots__ = ("busy_since", "conn", "key", "outbox", "pid", "process", "ready", "started_at")
+
+    def __init__(self, process: Any, conn: Connection) -> None:
+        self.process, self.pid, self.conn = process, process.pid, conn
+        self.ready = False
+        self.key: str | None = None
+        self.started_at = self.busy_since = time.monotonic()
+        # jobs go through a thread of their own: a worker that hangs (stopped, stuck in a
+        # library) blocks that thread on a full pipe, never the dispatcher
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=_send_jobs, args=(conn, self.outbox), daemon=True,
+                         name=f"shmstore-pool-send-{self.pid}").start()
+
+    def overdue(self, now: float) -> str:
+        """Why this worker is to be stopped now ("" if it is not)."""
+        if self.ready and self.key is not None and now - self.busy_since > JOB_TIMEOUT_S:
+            return f"took over {JOB_TIMEOUT_S:.0f} s on item {self.key}"
+        if not self.ready and now - self.started_at > START_TIMEOUT_S:
+            return f"was not ready after {START_TIMEOUT_S:.0f} s"
+        if not self.process.is_alive():
+            return "died"
+        return ""
+
+
+def _send_jobs(conn: Connection, outbox: queue.SimpleQueue[bytes | None]) -> None:
+    """Send a worker its jobs until told to stop (None) or its pipe closes (it died: the
+    dispatcher sees its sentinel)."""
+    # TypeError: the dispatcher closed the pipe while a send was under way (a killed worker)
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        while (frame := outbox.get()) is not None:
+            conn.send_bytes(frame)
+
+
+class Crew:
+    """The workers' lives, one method per step: start, read what they say, find the ones to
+    stop, stop (kill and reap, never waiting on a pipe a worker's child may hold), replace.
+    Called by the dispatcher thread only (and by close once it has ended); the MissPool's
+    lock guards `workers` and each worker's ready and key, and is never held while a worker
+    is started or stopped."""
+
+    def __init__(self, store_name: str, processor: Processor, env: dict[str, str]) -> None:
+        self.store_name, self.processor, self.env = store_name, processor, env
+        self.ctx = multiprocessing.get_context("spawn")
+        self.workers: list[Worker] = []
+        self.failed_starts = 0
+        self.broken = ""  # why no worker is started any more ("" while they are)
+
+    def start(self) -> Worker:
+        ours, theirs = self.ctx.Pipe(duplex=True)
+        process = self.ctx.Process(
+            target=_worker_main,
+            args=(self.store_name, self.processor, theirs, self.env, os.getpid()),
+            name="shmstore-pool-worker", daemon=True)
+        try:
+            process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return Worker(process, ours)
+
+    def waitables(self) -> list[Any]:
+        found: list[Any] = []
+        for w in self.workers:
+            found += [w.conn, w.process.sentinel]
+        return found
+
+    def watching(self) -> bool:
+        """Whether a start or a job is being timed (the dispatcher then wakes each second)."""
+        return any(not w.ready or w.key is not None for w in self.workers)
+
+    @staticmethod
+    def read(w: Worker) -> list[Any]:
+        """What `w` said since last asked (its messages, each a list)."""
+        said = []
+        try:
+            while w.conn.poll():
+                said.append(msgpack.unpackb(w.conn.recv_bytes(), raw=False))
+        except (OSError, EOFError):
+            pass  # died: its sentinel, or is_alive, says so
+        except Exception as exc:  # our own child, yet: never trust a frame
+            log.warning("shmstore: a miss pool worker (pid %s) sent a malformed message (%s)",
+                        w.pid, exc)
+            said.append([Says.DONE.value, Outcome.FAILED.value, "malformed answer"])
+        return said
+
+    def started_badly(self, w: Worker) -> None:
+        """`w` died or was stopped before it was ready; after BROKEN_STARTS in a row, broken."""
+        self.failed_starts += 1
+        if self.failed_starts >= BROKEN_STARTS and not self.broken:
+            self.broken = f"{BROKEN_STARTS} workers in a row died before they were ready"
+
+    @staticmethod
+    def stop(workers: list[Worker]) -> None:
+        """Kill each of `workers` that still runs and reap it; close its pipe (its sender
+        thread ends). Not under the pool's lock: a worker in uninterruptible sleep costs at
+        most STOP_TIMEOUT_S here, and never a submit."""
+        for w in workers:
+            w.outbox.put(None)
+            with contextlib.suppress(OSError):
+                if w.process.exitcode is None:
+                    w.process.kill()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for w in workers:
+            # exitcode asks waitpid without waiting; join would wait for the worker's pipe to
+            # close, which a helper process it forked may hold open after it is gone
+            while w.process.exitcode is None and time.monotonic() < deadline:
+                time.sleep(REAP_POLL_S)
+            with contextlib.suppress(ValueError):
+                w.process.close()
+            w.conn.close()
+
+
+# -- the worker process ---------------------------------------------------------------------------
+
+def _die_with_owner(owner: int) -> None:
+    """Be killed when the thread that started this process goes (with its process), whatever
+    this process is doing then; where prctl is missing, a thread watches the parent."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        def watch() -> None:
+            while os.getppid() == owner:
+                time.sleep(OWNER_CHECK_S)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True, name="shmstore-pool-owner").start()
+    if os.getppid() != owner:  # gone before the request took effect
+        os._exit(1)
+
+
+def _worker_main(store_name: str, processor: Processor, conn: Connection,
+                 env: dict[str, str], owner: int) -> None:
+    """Build the processor, say ready, then answer each job until the pipe closes."""
+    _die_with_owner(owner)
+    os.environ.update(env)
+    with contextlib.suppress(OSError):  # the name ps and /proc/PID/comm show
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(WORKER_NAME)
+    from ..errors import KeyExists, ObjectTooLarge, ShmStoreError, StoreFull
+    from ..store._remote import RemoteWriter
+
+    def say(kind: Says, *words: str) -> None:
+        conn.send_bytes(msgpack.packb([kind.value, *words], use_bin_type=True))
+
+    def done(outcome: Outcome, detail: str = "") -> None:
+        say(Says.DONE, outcome.value, detail[:MAX_DETAIL_CHARS])
+
+    try:
+        process = processor.build()
+        writer = RemoteWriter(store_name)
+    except Exception as exc:
+        say(Says.BROKEN, f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS])
+        return
+    say(Says.READY)
+    with writer:
+        while True:
+            try:
+                frame = conn.recv_bytes()
+            except (EOFError, OSError):
+                return  # the pool closed, or its process is gone
+            try:
+                key, job = msgpack.unpackb(frame, raw=False)
+            except Exception as exc:  # checked where submitted; never a reason to die
+                done(Outcome.FAILED, f"unreadable job: {exc}")
+                continue
+            try:  # stored meanwhile (sent again just after it was stored): not run again
+                if writer.cached([key])[0]:
+                    done(STORED, ALREADY)
+                    continue
+            except ShmStoreError as exc:
+                done(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+                continue
+            try:
+                value = process(job)
+            except Exception as exc:
+                done(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+                continue
+            if value is None:
+                done(Outcome.DECLINED)
+                continue
+            try:
+                writer.store_unowed(key, value)
+                done(STORED)
+            except KeyExists:
+                done(STORED, "stored by another meanwhile")
+            except (StoreFull, ObjectTooLarge) as exc:
+                done(Outcome.STORE_FULL, str(exc))
+            except ShmStoreError as exc:
+                done(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
