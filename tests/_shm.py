@@ -21,7 +21,7 @@ def _writer(entry: str) -> int | None:
     """The writer pid of the shmstore segment `entry` names (a semaphore: its queue's)."""
     name = entry
     if entry.startswith("sem."):
-        name = entry[4:].rpartition(".")[0]
+        name = entry[4:].rpartition("@")[0]
     header = peek_header(name)
     return None if header is None else header[2]
 

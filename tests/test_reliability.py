@@ -672,7 +672,7 @@ def test_15_a_forked_child_cannot_use_or_free_its_parents_reader(name: str) -> N
 def test_16_queue_semaphores_get_the_mode_asked_for(name: str) -> None:
     with BroadcastQueue.create(name, n_readers=1, mode=0o666):
         for who in ("r0", "w"):
-            mode = stat.S_IMODE(os.stat(f"/dev/shm/sem.{name}.{who}").st_mode)
+            mode = stat.S_IMODE(os.stat(f"/dev/shm/sem.{name}@{who}").st_mode)
             assert mode == 0o666, oct(mode)
 
 

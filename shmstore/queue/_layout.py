@@ -63,6 +63,8 @@ from ..errors import IncompatibleSegment
 from ..shm._closeable import CallGuard, Closeable
 from ..shm._readers import ROW_HEAD_BYTES, ReaderTable
 from ..shm._segment import ALIGN_BYTES, SEGMENT_HEADER, Segment, align_up
+from ..shm._tracker import unlink_if_same
+from ..shm._wait import sem_path
 from . import _slots
 
 __all__ = ["QueueBase", "CLOSED_UPSTREAM_GONE", "QUEUE_META", "QUEUE_ROW", "SLOT_HEADER",
@@ -89,21 +91,23 @@ DEFAULT_SPIN_S = 0.002  # spin this long before sleeping: keeps latency at a few
 WRITER_CHECK_S = 0.2  # how often a waiting reader checks that the writer is alive
 
 
+BELL_MARK = "@"  # in every doorbell's name; no segment name may hold it (shm/_header.py)
+
+
 def bell_name(name: str, who: str) -> str:
-    return f"/{name}.{who}"
+    """The semaphore name of queue `name`'s doorbell `who` (w, r0, r1, ...). Its file,
+    /dev/shm/sem.NAME@WHO, can never be a segment's: a segment name has no BELL_MARK."""
+    return f"/{name}{BELL_MARK}{who}"
 
 
 def remove_semaphores(name: str, n_readers: int) -> int:
-    """Unlink the doorbells of queue `name` (after its writer died); return how many went."""
-    import posix_ipc
-
+    """Unlink the doorbells of queue `name` (after its writer died); return how many went.
+    Through the one locked unlink (shm/_tracker.py): another user's file, or one a live
+    process holds, is never touched."""
     removed = 0
     for who in [f"r{r}" for r in range(n_readers)] + ["w"]:
-        try:
-            posix_ipc.unlink_semaphore(bell_name(name, who))
+        if unlink_if_same(sem_path(bell_name(name, who))) is not None:
             removed += 1
-        except posix_ipc.ExistentialError:
-            pass
     return removed
 
 

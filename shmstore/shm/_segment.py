@@ -15,7 +15,6 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import time
 import warnings
 import weakref
@@ -61,6 +60,7 @@ from ._header import (
     validate_name,
 )
 from ._ordering import Words, ordered_words
+from ._tracker import Held, locked_unlink
 
 log = logging.getLogger("shmstore")
 
@@ -385,8 +385,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-LOCK_TRIES = 20  # a remover's lock is held for microseconds, a writer's for its life
-LOCK_RETRY_S = 0.005  # so 20 tries 5 ms apart tell the two apart
 
 
 _SWEEP_EXTRA: dict[int, Callable[[str, int], object]] = {}  # kind -> what else goes with one
@@ -413,8 +411,6 @@ def sweep_dead() -> list[str]:
         return []
     removed = []
     for name in names:
-        if name.startswith("sem."):
-            continue
         try:
             validate_name(name)
         except InvalidName:
@@ -497,60 +493,35 @@ def _unlink_name(name: str) -> None:
 
 
 def _unlink_if_dead(name: str) -> bool:
-    """Unlink `name` if it still is the shmstore segment of a dead writer; return whether it
-    was unlinked. The check and the unlink hold an exclusive flock on the segment's file, and
-    the name must still lead to that file (same inode) when it is unlinked: a writer that took
-    the name over meanwhile (a new file) never loses its segment, and two removers of one dead
-    segment unlink it once.
+    """Unlink `name` if it still is the shmstore segment of a dead writer of this user; return
+    whether it was unlinked (_tracker.locked_unlink: the check and the unlink hold an
+    exclusive flock on the segment's file, and the name must still lead to that file when it
+    is unlinked: a writer that took the name over meanwhile never loses its segment, and two
+    removers of one dead segment unlink it once).
 
     Raises:
         SegmentExists: the segment's writer is alive.
     """
-    path = os.path.join(SHM_DIR, name)
-    try:  # O_NONBLOCK: whatever is there now, opening it never waits (a FIFO)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False  # gone, or not ours to open
-    try:
-        held = os.fstat(fd)
-        if not stat.S_ISREG(held.st_mode):
-            return False
+    pid = 0
+
+    def dead(fd: int) -> bool:
+        nonlocal pid
         header = os.pread(fd, SEGMENT_HEADER.size, 0)
         if len(header) < SEGMENT_HEADER.size or header[:8] not in (MAGIC, MAKING_MAGIC):
             return False  # not a shmstore segment: not ours to remove
         pid = SEGMENT_HEADER.unpack(header)[7]
         if pid_alive(pid):
             raise _exists_error(name)
-        if not _lock_exclusive(fd):  # its writer lives where its pid does not tell
-            raise SegmentExists(
-                f"segment {name!r} is held by a live writer: its pid {pid} is not one of this "
-                "pid namespace (a writer in another container sharing /dev/shm, or a process "
-                "forked from the writer that still holds it); only one writer may own a name: "
-                "choose another name or stop that process", name, pid, True)
-        try:
-            now = os.lstat(path)
-        except FileNotFoundError:
-            return False
-        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            return False  # the name leads to another file now: someone else's
-        header = os.pread(fd, SEGMENT_HEADER.size, 0)  # again, under the lock
-        if pid_alive(SEGMENT_HEADER.unpack(header)[7]):
-            raise _exists_error(name)
-        os.unlink(path)
         return True
-    finally:
-        os.close(fd)
 
-
-def _lock_exclusive(fd: int) -> bool:
-    """Take the file's flock exclusively; False if a writer holds it (see LOCK_TRIES)."""
-    for _ in range(LOCK_TRIES):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            time.sleep(LOCK_RETRY_S)
-    return False
+    try:
+        return locked_unlink(os.path.join(SHM_DIR, name), check=dead) is not None
+    except Held:  # its writer lives where its pid does not tell
+        raise SegmentExists(
+            f"segment {name!r} is held by a live writer: its pid {pid} is not one of this "
+            "pid namespace (a writer in another container sharing /dev/shm, or a process "
+            "forked from the writer that still holds it); only one writer may own a name: "
+            "choose another name or stop that process", name, pid, True) from None
 
 
 def _create_exclusive(name: str, mode: int) -> posix_ipc.SharedMemory:

@@ -40,6 +40,7 @@ import signal
 import stat
 import sys
 import time
+from collections.abc import Callable
 
 WRITER_POLL_S = 0.2  # how often a tracker whose pipe ended checks that its writer is gone
 
@@ -75,28 +76,73 @@ def _parse(line: bytes, owned: dict[bytes, int], beside: dict[bytes, set[bytes]]
             beside.setdefault(segment, set()).add(path)
 
 
-def unlink_if_same(path: str | bytes, inode: int | None = None,
-                   beside: frozenset[bytes] = frozenset()) -> int | None:
-    """Unlink `path` if it still leads to the regular file of `inode` (the file there now, if
-    None); return that file's size if it was unlinked, None if not. `beside`: names that go
-    with it (whatever file they lead to), unlinked first under its lock.
+LOCK_TRIES = 20  # a remover's lock is held for microseconds, a writer's for its life
+LOCK_RETRY_S = 0.005  # so 20 tries 5 ms apart tell the two apart
 
-    The check and the unlink hold an exclusive flock on that file, as every remover of a
-    dead writer's names does (Segment.remove_stale, the next create's takeover, a queue's
-    doorbells): of two removers of one file one unlinks it, and a name a new writer made
-    meanwhile (another file) is never unlinked. A new writer makes a segment's doorbells only
-    once it holds the segment's name, so none of them is among `beside`."""
+
+class Held(Exception):
+    """The file is locked by a process that holds it for its life (a live writer's segment)."""
+
+
+class _Refused(Exception):
+    """What a check raised, carried past locked_unlink's own OSError handling."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(exc)
+        self.exc = exc
+
+
+def _ask(check: Callable[[int], bool] | None, fd: int) -> bool:
+    try:
+        return check is None or check(fd)
+    except Exception as exc:
+        raise _Refused(exc) from exc
+
+
+def locked_unlink(path: str | bytes, inode: int | None = None,
+                  beside: frozenset[bytes] = frozenset(),
+                  check: Callable[[int], bool] | None = None) -> int | None:
+    """The one way a dead writer's file is removed (the tracker, the next writer's sweep and
+    takeover, `shmstore gc`, a queue's doorbells, the vLLM launcher hook): unlink `path` if it
+    still leads to the regular file of `inode` (the file there now, if None), owned by this
+    user, for which check(fd) says yes before and again under the lock; return the file's size
+    if it was unlinked, None if not. `beside`: names that go with it (whatever file they lead
+    to), unlinked first under its lock.
+
+    The check and the unlink hold an exclusive flock on that file, taken without blocking
+    (LOCK_TRIES): of two removers of one file one unlinks it, a name a new writer made
+    meanwhile (another file) is never unlinked, another user's file is never touched (root
+    included), and a file that a live process holds locked is never waited for (Held). A new
+    writer makes a segment's doorbells only once it holds the segment's name, so none of
+    them is among `beside`.
+
+    Raises:
+        Held: the file stays locked (a live writer holds it).
+        whatever `check` raises.
+    """
     try:  # O_NONBLOCK: whatever is there now, opening it never waits (a FIFO)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         held = os.fstat(fd)
-        if not stat.S_ISREG(held.st_mode) or (inode is not None and held.st_ino != inode):
+        if (not stat.S_ISREG(held.st_mode) or held.st_uid != os.getuid()
+                or (inode is not None and held.st_ino != inode)):
             return None
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not _ask(check, fd):
+            return None
+        for _ in range(LOCK_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(LOCK_RETRY_S)
+        else:
+            raise Held(os.fsdecode(path))
         now = os.lstat(path)
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return None
+        if not _ask(check, fd):
             return None
         for name in beside:
             try:
@@ -107,10 +153,21 @@ def unlink_if_same(path: str | bytes, inode: int | None = None,
                 pass  # unlinked by its owner, or listed and gone: nothing was left
         os.unlink(path)
         return held.st_size
+    except _Refused as refused:
+        raise refused.exc from None
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def unlink_if_same(path: str | bytes, inode: int | None = None,
+                   beside: frozenset[bytes] = frozenset()) -> int | None:
+    """locked_unlink, None where the file stays locked by a live process."""
+    try:
+        return locked_unlink(path, inode, beside)
+    except Held:
+        return None
 
 
 def _unlink_left(owned: dict[bytes, int], beside: dict[bytes, set[bytes]],

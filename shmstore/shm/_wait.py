@@ -34,12 +34,12 @@ from typing import Any
 import posix_ipc
 
 from .._proc import MAX_SECONDS, number_arg
-from ..errors import SegmentNotFound, SegmentPermissionError, ShmSpaceError
+from ..errors import SegmentExists, SegmentNotFound, SegmentPermissionError, ShmSpaceError
 from . import _exit
 from ._ordering import FULL_FENCE, Words
 from ._tracker import unlink_if_same
 
-__all__ = ["Deadline", "Doorbell", "wait_until", "checked_wait", "deadline_of", "SLICE_S",
+__all__ = ["Deadline", "Doorbell", "wait_until", "checked_wait", "deadline_of", "SLICE_S", "sem_path",
            "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX semaphores (as sem.NAME)
@@ -102,14 +102,19 @@ class Doorbell:
         `beside`: the name of the segment it goes with (its tracker then unlinks it with the
         segment, even if this process is killed before it has listed the doorbell)."""
         if beside is not None:
-            _exit.own_beside(os.path.join(SHM_DIR, beside.lstrip("/")), _sem_path(name))
+            _exit.own_beside(os.path.join(SHM_DIR, beside.lstrip("/")), sem_path(name))
         try:
             try:
                 sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)
             except posix_ipc.ExistentialError:
                 # a dead writer's: share a count with nobody. Unlinked under the lock its
                 # tracker takes to remove it too, so that neither unlinks the other's new one
-                if unlink_if_same(_sem_path(name)) is None:
+                if unlink_if_same(sem_path(name)) is None:
+                    if os.path.lexists(sem_path(name)):  # another user's, or held: not ours
+                        raise SegmentExists(
+                            f"semaphore {name!r} exists and is not a dead writer's of this "
+                            f"user ({sem_path(name)}): stop the process that holds it, or "
+                            "choose another name", name, None, True) from None
                     _unlink_semaphore(name)  # kept elsewhere on this system: by name
                 sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=mode)
         except OSError as exc:
@@ -123,10 +128,10 @@ class Doorbell:
             raise SegmentPermissionError(f"cannot create semaphore {name!r}: {exc}",
                                          name) from None
         self = cls(name, sem, owner=True)
-        _exit.own(_sem_path(name))
+        _exit.own(sem_path(name))
         try:
             # sem_open applies the umask; others need read and write to use it
-            os.chmod(_sem_path(name), stat.S_IMODE(mode))
+            os.chmod(sem_path(name), stat.S_IMODE(mode))
         except FileNotFoundError:  # a system that keeps semaphores elsewhere: keep the umask's
             pass
         except BaseException:
@@ -164,7 +169,7 @@ class Doorbell:
         """Remove the name (owner only); idempotent. Open handles keep working."""
         if self.owner and not self._unlinked:
             self._unlinked = True
-            _exit.disown(_sem_path(self.name))
+            _exit.disown(sem_path(self.name))
             _unlink_semaphore(self.name)
 
     def close(self) -> None:
@@ -229,7 +234,7 @@ def wait_until(
             return True
 
 
-def _sem_path(name: str) -> str:
+def sem_path(name: str) -> str:
     """Where Linux keeps the named semaphore `name`."""
     return os.path.join(SHM_DIR, "sem." + name.lstrip("/"))
 

@@ -29,7 +29,7 @@ def test_ls_rm_gc() -> None:
     with ObjectStore.create(live, capacity_bytes=1 << 20, n_readers=1):
         # made after this process's first create, whose sweep would have removed them
         leave_dead_segments(dead_store, dead_queue)
-        assert os.path.exists(f"/dev/shm/sem.{dead_queue}.r1")
+        assert os.path.exists(f"/dev/shm/sem.{dead_queue}@r1")
         listing = cli("ls").stdout
         rows = {line.split()[0]: line for line in listing.splitlines()[1:]}
         assert "dead" in rows[dead_store] and "object store" in rows[dead_store]
@@ -47,7 +47,7 @@ def test_ls_rm_gc() -> None:
         gc = cli("gc")
         assert f"{dead_queue}: removed" in gc.stdout and "3 semaphores" in gc.stdout
         assert not os.path.exists(f"/dev/shm/{dead_queue}")
-        assert not os.path.exists(f"/dev/shm/sem.{dead_queue}.r1")
+        assert not os.path.exists(f"/dev/shm/sem.{dead_queue}@r1")
         assert os.path.exists(f"/dev/shm/{live}")  # never a live one
     assert live not in cli("ls").stdout
 

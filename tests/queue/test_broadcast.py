@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import struct
 import time
 
 import numpy as np
 import pytest
 
+from shmstore.errors import InvalidName, SegmentExists
 from shmstore.queue._broadcast import (
     QUEUE_META,
     QUEUE_ROW,
     SLOT_HEADER,
 )
+from shmstore.queue._layout import BELL_MARK, remove_semaphores
+from shmstore.shm._header import validate_name
 from tests._names import (
     BroadcastQueue,
     Closed,
     MessageTooLarge,
+    ObjectStore,
     ReaderIndexError,
     ReaderSlotBusy,
     SegmentClosed,
@@ -220,3 +225,39 @@ def test_idle_reader_sleeps(queue) -> None:
         r0.get(timeout=0.5)
     used = time.process_time() - cpu0
     assert used < 0.25, f"an idle reader burned {used:.3f} s of CPU in 0.5 s"
+
+
+def test_a_doorbells_file_is_never_a_segments_name(name: str) -> None:
+    """A queue Q's doorbell files were once sem.Q.w and sem.Q.rN, also valid segment names:
+    with live stores of those names, creating Q waited for ever on their lock, and removing
+    a dead Q's doorbells removed them. Now a doorbell's name holds a character no segment
+    name may."""
+    stores = [ObjectStore.create(f"sem.{name}.{who}", n_readers=1, capacity_bytes=1 << 16)
+              for who in ("w", "r0")]
+    try:
+        queue = BroadcastQueue.create(name, n_readers=1)
+        queue.close()
+        assert remove_semaphores(name, 1) == 0  # the closed queue took its own
+        for who in ("w", "r0"):
+            assert os.path.exists(f"/dev/shm/sem.{name}.{who}")  # the live stores stay
+        with pytest.raises(InvalidName):
+            validate_name(f"{name}{BELL_MARK}w")
+    finally:
+        for store in stores:
+            store.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's file needs root")
+def test_another_users_file_at_a_doorbells_name_is_refused_and_never_removed(
+        name: str) -> None:
+    path = f"/dev/shm/sem.{name}{BELL_MARK}w"
+    with open(path, "wb") as f:
+        f.write(bytes(32))
+    os.chown(path, 65534, 65534)  # nobody's
+    try:
+        with pytest.raises(SegmentExists, match="not a dead writer's of this user"):
+            BroadcastQueue.create(name, n_readers=1)
+        assert remove_semaphores(name, 1) == 0
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)

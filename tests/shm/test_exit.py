@@ -234,7 +234,7 @@ def test_segments_a_tracker_killed_with_its_writer_left_go_at_the_next_writers_c
         assert len(left(name)) == 4  # the store, the queue and the queue's 2 doorbells
         if how == "remove_stale":
             assert Segment.remove_stale(name + ".store") and Segment.remove_stale(name + ".queue")
-            assert left(name) == [f"sem.{name}.queue.r0", f"sem.{name}.queue.w"]
+            assert left(name) == [f"sem.{name}.queue@r0", f"sem.{name}.queue@w"]
             for sem in left(name):
                 (SHM / sem).unlink()  # what `shmstore gc` does beside remove_stale
         else:
@@ -256,7 +256,7 @@ def test_a_writer_killed_between_a_doorbells_create_and_its_listing_leaves_nothi
         listed = _exit.own
 
         def own(path):
-            if path.endswith('.{bell}'):  # made, and killed before it is listed
+            if path.endswith('@{bell}'):  # made, and killed before it is listed
                 os.kill(os.getpid(), signal.SIGKILL)
             listed(path)
         _exit.own = own
