@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import StoreFull
 from ..handle import Handle
@@ -252,6 +253,11 @@ class Space:
             payload_bytes, self.ring.capacity_bytes, blockers)
 
 
+def _held_here(lock: Any) -> bool:
+    """Whether this thread holds the RLock `lock` (threading.Condition asks the same)."""
+    return bool(lock._is_owned())
+
+
 class Scrape:
     """What each reader owes, kept between calls of stats(): the owed reads of every object
     that owes any, per reader and in total, and each reader's row as last seen (its stamp).
@@ -269,8 +275,9 @@ class Scrape:
     The writer's thread (a signal handler's stats()) or another thread may call it while the
     writer works: the marks are taken under the index's lock, each object's owed reads are
     worked out before any total changes, an object that changed meanwhile is marked again, and
-    a call that finds another in progress in its own thread (a signal handler) walks every
-    object without touching what is kept."""
+    a call that finds another in progress in its own thread (a signal handler), or finds its
+    thread inside a change of the writer's (the index's lock held: a mark made, its change
+    not yet), walks every object without touching what is kept or taking a mark."""
 
     def __init__(self, space: Space) -> None:
         self._space = space
@@ -285,7 +292,10 @@ class Scrape:
 
     def lag(self) -> tuple[list[int], int]:
         with self._lock:
-            if self._busy:  # a signal handler inside a call in this thread
+            # a handler inside a call in this thread, or inside a change of the writer's (the
+            # index's lock held here: an entry marked, its change not made): the walk, which
+            # takes no mark
+            if self._busy or _held_here(self._space.index.lock):
                 return self._space.recount()
             self._busy = True
             try:

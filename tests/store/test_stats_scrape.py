@@ -296,3 +296,26 @@ def test_narrowing_a_read_hand_out_to_more_readers_shows_in_the_next_scrape(name
         assert writer.unread(handle) == (0, 1)
         assert writer.stats().reader_lag == (0, 1)
         _check(writer)
+
+
+def test_a_scrape_run_in_the_writers_thread_between_a_mark_and_its_change_stays_exact(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler (here a hook on Index.handed_out's return) runs stats() in the writer's own
+    thread after a hand-out's entry is marked and before the hand-out is recorded: it must not
+    take the mark, or reader_lag stays short of the walk until the object changes again."""
+    with ObjectStore.create(name, n_readers=2, capacity_bytes=1 << 16) as writer:
+        writer.put("a", {"x": np.zeros(8, np.uint8)})
+        _check(writer)  # the first scrape's walk is behind us: the next looks at marks only
+        index_type = type(writer._space.index)
+        original = index_type.handed_out
+        scraped = []
+
+        def handed_out(index: Any, entry: Any) -> None:
+            original(index, entry)
+            if not scraped:  # the handler, between the mark and the change
+                scraped.append(writer.stats().reader_lag)
+        monkeypatch.setattr(index_type, "handed_out", handed_out)
+        writer.get_cached("a")
+        assert scraped == [(1, 1)]  # what the readers owed then: the change was not made yet
+        _check(writer)  # and once it is: (2, 2), as the walk says
+        assert writer.stats().reader_lag == (2, 2)
