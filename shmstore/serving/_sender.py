@@ -38,7 +38,8 @@ from ._requests import RequestLedger
 
 __all__ = ["Sender", "Unreachable", "OUTCOMES"]
 
-OUTCOMES = ("hit", "shared", "stored", "inline")  # Sender.items: what each item came to
+OUTCOMES = ("hit", "pooled", "shared", "stored", "inline")  # Sender.items: what each item
+# came to ("pooled": found stored because the node's miss pool made it for this request: new)
 
 
 class Unreachable(Exception):
@@ -57,12 +58,14 @@ class Sender(StoreSender):
         self.items = dict.fromkeys(OUTCOMES, 0)
         self.ledger = RequestLedger(store, settle_s, lease_s, self.is_touched, lock=lock)
 
-    def hit(self, key: str, *, cached_here: bool) -> HandOut | None:
-        """StoreSender.take, renewed where hand-outs are published in order, and counted."""
+    def hit(self, key: str, *, cached_here: bool, pooled: bool = False) -> HandOut | None:
+        """StoreSender.take, renewed where hand-outs are published in order, and counted: as
+        "pooled" where the node's miss pool stored it for this request (a new item, found
+        stored), else as a hit."""
         with self.lock:
             handout = self.take(key, cached_here=cached_here)
             if handout is not None:
-                self.items["hit"] += 1
+                self.items["pooled" if pooled else "hit"] += 1
             return handout
 
     def renew(self, kept: HandOut) -> HandOut:

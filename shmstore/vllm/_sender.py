@@ -188,9 +188,11 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                              scope: RequestScope | None) -> tuple[Any, Sequence[Any]]:
         self._total += 1
         core = self._core
-        handout = core.hit(mm_hash, cached_here=mm_hash in self._updates)
+        # an item the pool made for this request is new: counted as a miss by vLLM's counters
+        pooled = self.pool is not None and self.pool.claim(mm_hash)
+        handout = core.hit(mm_hash, cached_here=mm_hash in self._updates, pooled=pooled)
         if handout is not None:
-            self._hits += 1
+            self._hits += not pooled
             out = self._deliver(handout, mm_item, mm_hash)
             return (mm_item if out is None else out), self._updates[mm_hash]
         if mm_item is None:
@@ -300,7 +302,8 @@ class _SenderCollector:
             skipped, refused = dict(sender.accel.skipped), dict(sender.accel.refused)
         for name, doc, label, values in (
                 ("shmstore_vllm_items", "Items by outcome: hit (stored, prompt updates here), "
-                 "shared (processed here, stored already: no second copy), stored, inline",
+                 "pooled (new, stored by the node's miss pool for this request), shared "
+                 "(processed here, stored already: no second copy), stored, inline",
                  "outcome", items),
                 ("shmstore_vllm_skipped", "Work this API server skipped: decode (an image "
                  "never decoded: a hit), processor (a hit on an item another API server "

@@ -80,7 +80,8 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "request_id_of",
            "feature_data", "features_with_data", "new_requests", "resolve_new_request",
            "receiver_cache", "processor_inputs", "with_cache", "items_data", "renderer_cache",
-           "request_hashes", "prompt_kwargs", "build_processor", "load_image", "io_settings",
+           "request_hashes", "prompt_kwargs", "prompt_uuids", "build_processor", "load_image",
+           "io_settings",
            "process_items"]
 
 log = logging.getLogger(LOG_NAME)
@@ -124,6 +125,9 @@ SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm.multimodal.processing.inputs", "ProcessorInputs"): (
         "cache", "hf_processor_mm_kwargs", "mm_data_items"),
     ("vllm.multimodal.parse", "ModalityDataItems"): ("data",),
+    # the miss pool's private calls: a request's item hashes, one item's cached processing
+    ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor"): (
+        "_get_mm_hashes", "_cached_apply_hf_processor"),
 }
 ITEM_SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm.multimodal.inputs", "MultiModalFieldElem"): ("data", "field"),
@@ -228,6 +232,16 @@ def request_hashes(renderer: Any, prompt: Any) -> tuple[dict[str, list[str]], An
         hf_processor_mm_kwargs=prompt.get("mm_processor_kwargs") or {},
         media_io_kwargs=prompt.get("media_io_kwargs") or {})
     return processor._get_mm_hashes(inputs), items
+
+
+def prompt_uuids(prompt: Any, modality: str) -> list[Any]:
+    """A tokens prompt's uuids of its `modality` items, one per item (None: unnamed), as vLLM
+    parses them; [] where it gives none."""
+    from vllm.multimodal.parse import parse_mm_uuids
+
+    found = parse_mm_uuids(prompt.get("multi_modal_uuids"))
+    named = found.get(modality) if isinstance(found, dict) else None
+    return list(named) if isinstance(named, (list, tuple)) else []
 
 
 def prompt_kwargs(prompt: Any) -> tuple[Any, Any]:

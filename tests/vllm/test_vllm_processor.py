@@ -153,46 +153,63 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
         processor: Any, model_config: Any, node: Any, counted: list[int]) -> None:
     """A pool worker (vLLM's own processor, in its own process) stores a request's new image
     before vLLM's thread processes it: there it is a hit that runs no HF processor and decodes
-    nothing, with vLLM alone's prompt ids and placeholders. A corrupt JPEG fails in the pool
-    and gets vLLM's own error on the API server, as without the pool."""
+    nothing, with vLLM alone's prompt ids and placeholders, counted as new (a miss in vLLM's
+    counters, "pooled" in shmstore's); the same image sent again is a hit. A corrupt JPEG
+    fails in the pool and gets vLLM's own error on the API server, as without the pool. An
+    item named by a uuid is not sent (the pool would decline it)."""
     import types
 
+    from shmstore.serving._deployment import NodePool
     from shmstore.serving._outcome import STORED
+    from shmstore.serving._pool import MissPool
     from shmstore.vllm._accel._pool import PoolSender
+    from shmstore.vllm._accel._pool import processor as pool_processor
     from tests._waiting import wait_for
 
     (first, second), _ = node
     renderer = types.SimpleNamespace(get_mm_processor=lambda: processor)
-    pool = PoolSender(first.segment, 1, model_config, owner=True, serve_others=False)
+    missed = MissPool(first.segment, pool_processor(model_config), workers=1)
+    pool = PoolSender(NodePool(pool=missed))
+    first.pool = second.pool = pool  # as each API server's sender holds its way in
     try:
-        assert pool.pool is not None
-        wait_for(lambda: pool.pool.stats().ready == 1, 240, "the pool's worker")
+        wait_for(lambda: missed.stats().ready == 1, 240, "the pool's worker")
 
-        def before(data: bytes, sender: Any) -> list[str]:
+        def before(data: bytes, sender: Any, uuid: str | None = None) -> list[str]:
             media = ImageMediaIO.load_bytes(ImageMediaIO(), data)  # lazy, as the server loads
-            prompt = {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [media]}}
+            prompt: dict[str, Any] = {"prompt_token_ids": [1, 2],
+                                      "multi_modal_data": {"image": [media]}}
+            if uuid is not None:
+                prompt["multi_modal_uuids"] = {"image": [uuid]}
             futures = pool.jobs(renderer, prompt, sender.accel.fingerprint, sender._stored)
             return [f.result(timeout=240) for f in futures]
 
         for seed, sender in ((40, first), (41, second)):
             data = jpeg(seed)
             ids, places, _, _ = run(processor, data, None, counted)  # vLLM alone
+            hits, items = sender.make_stats().hits, dict(sender.items)
             assert before(data, sender) == [STORED]
             got = run(processor, data, sender, counted)
             assert got[:2] == (ids, places)
             assert got[3] == 0 and isinstance(got[2], LazyImage) and not got[2].realized
+            assert sender.make_stats().hits == hits  # new to this request: not a hit
+            assert sender.items["pooled"] == items["pooled"] + 1
+            assert sender.items["hit"] == items["hit"]
             assert before(data, sender) == []  # stored: nothing goes to the pool again
-        stats = pool.pool.stats()
+            run(processor, data, sender, counted)  # sent again: a true hit
+            assert sender.make_stats().hits == hits + 1
+        stats = missed.stats()
         assert (stats.submitted, stats.stored, stats.waited) == (2, 2, 0)
         assert pool.snapshot()["sent"] == pool.snapshot()["stored"] == 2
         assert first.store.stats().puts == 2
 
+        assert before(jpeg(43), first, uuid="my-photo") == []  # named: processed where it is
         bad = jpeg(42, keep=0.5)
         assert before(bad, first) == ["failed"]
         with pytest.raises(ValueError, match="Failed to load image"):
             run(processor, bad, first, counted)
         first.release_sender_touches()
-        assert pool.pool.stats().fallback["failed"] == 1
+        assert missed.stats().fallback["failed"] == 1
         assert len(counted) == 2  # vLLM alone's two runs: none on the API servers
     finally:
+        first.pool = second.pool = None
         pool.close()

@@ -23,8 +23,10 @@ vLLM's own path, so outputs and errors are vLLM's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -41,6 +43,7 @@ from .._vllm import (
     load_image,
     process_items,
     prompt_kwargs,
+    prompt_uuids,
     request_hashes,
 )
 from ._images import LazyImage
@@ -49,6 +52,7 @@ from ._records import RECORD_FIELD, write
 __all__ = ["PoolSender", "make_processor", "processor", "WAIT_S"]
 
 log = logging.getLogger(LOG_NAME)
+MAX_MADE = 4096  # keys kept as made by the pool until vLLM's thread meets them
 WAIT_S = 120.0  # a request waits this long for its items from the pool, then processes them
 MODALITY = "image"
 
@@ -62,6 +66,9 @@ class PoolSender:
         self.node = node
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("sent", *(o.value for o in Outcome), "waited"), 0)
+        # keys the pool stored for this API server's requests, not yet met by vLLM's thread:
+        # there they are found stored, yet new (claim); oldest first, at most MAX_MADE
+        self._made: OrderedDict[str, int] = OrderedDict()
 
     def submit(self, key: str, job: Any) -> Future[Outcome]:
         """Send one item's job to the node's pool; its outcome is counted when it comes."""
@@ -69,13 +76,31 @@ class PoolSender:
         with self._lock:
             self.counts["sent"] += 1
             self.counts["waited"] += waited
-        future.add_done_callback(self._count)
+        future.add_done_callback(functools.partial(self._count, key=key))
         return future
 
-    def _count(self, future: Future[Outcome]) -> None:
+    def _count(self, future: Future[Outcome], key: str) -> None:
         outcome = future.result()
         with self._lock:
             self.counts[outcome.value] += 1
+            if outcome is Outcome.STORED:
+                self._made[key] = self._made.get(key, 0) + 1
+                self._made.move_to_end(key)
+                while len(self._made) > MAX_MADE:  # requests that never reached vLLM's thread
+                    self._made.popitem(last=False)
+
+    def claim(self, key: str) -> bool:
+        """Whether `key` was made by the pool for a request of this API server that has not
+        met it yet (it is then new to that request, though stored); counts it met."""
+        with self._lock:
+            left = self._made.get(key, 0)
+            if not left:
+                return False
+            if left == 1:
+                del self._made[key]
+            else:
+                self._made[key] = left - 1
+            return True
 
     def snapshot(self) -> dict[str, int]:
         """This API server's counts now (a client's waits as its answers said)."""
@@ -93,6 +118,7 @@ class PoolSender:
             return []
         hashes, items = found
         keys = hashes.get(MODALITY) or []
+        named = prompt_uuids(prompt, MODALITY)  # an item named by a uuid: the pool declines
         data = items_data(items.get(MODALITY))
         if not keys or not isinstance(data, list) or len(data) != len(keys):
             return []
@@ -102,8 +128,9 @@ class PoolSender:
             return []
         futures = []
         stored = cached(keys)
-        for key, image, hit in zip(keys, data, stored, strict=True):
-            if hit or not isinstance(image, LazyImage) or image.realized:
+        for i, (key, image, hit) in enumerate(zip(keys, data, stored, strict=True)):
+            if (hit or not isinstance(image, LazyImage) or image.realized
+                    or (i < len(named) and named[i] is not None)):
                 continue
             mode, io_kwargs = image.settings
             job = {"key": key, "bytes": image.original_bytes, "mode": mode, "io": io_kwargs,
