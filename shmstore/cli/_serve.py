@@ -10,6 +10,7 @@ shmstore installed, vLLM loads shmstore's plugin either way (`--mm-processor-cac
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import sys
 
@@ -81,25 +82,36 @@ def preflight(argv: list[str]) -> str | None:
     processes then print their own tracebacks for a hundred lines after it: here it is the
     start's one error and the log's last lines."""
     from .._proc import env_switch
+    from ..errors import InvalidArgument
     from ..shm._header import SHM_DIR, shm_free_bytes
-    from ..vllm._env import ENABLE_ENV
+    from ..store._object_store import ObjectStore
+    from ..vllm._env import ENABLE_ENV, check_settings
 
     if argv[:1] != ["serve"] or _flag(argv, "--mm-processor-cache-type") != "shm":
         return None
-    if not env_switch(ENABLE_ENV, True):
-        return None
+    try:
+        if not env_switch(ENABLE_ENV, True):
+            return None
+        check_settings()
+    except InvalidArgument as exc:
+        return f"shmstore serve: {exc}"
     try:
         gb = float(_flag(argv, "--mm-processor-cache-gb") or VLLM_CACHE_GB)
+        readers = (int(_flag(argv, "--tensor-parallel-size") or 1)
+                   * int(_flag(argv, "--data-parallel-size") or 1))
     except ValueError:
         return None  # vLLM's parser says what is wrong with it
-    need, free = int(gb * GIB), shm_free_bytes()
+    need, free = ObjectStore.segment_bytes(int(gb * GIB), readers), shm_free_bytes()
     if free is None or free >= need:
         return None
-    return (f"shmstore serve: the multimodal cache needs {gb:g} GiB of shared memory "
-            f"(--mm-processor-cache-gb {gb:g}, reserved when the server starts) and {SHM_DIR} "
-            f"has {free / GIB:.2f} GiB free. Lower --mm-processor-cache-gb, remove leftover "
+    fits = max(0.0, (free - (need - int(gb * GIB))) / GIB)
+    return (f"shmstore serve: the multimodal cache needs {need / GIB:.3f} GiB of shared memory "
+            f"(--mm-processor-cache-gb {gb:g} and the store's header, reserved when the server "
+            f"starts) and {SHM_DIR} has {free / GIB:.3f} GiB free. Set "
+            f"--mm-processor-cache-gb {math.floor(fits * 100) / 100:g} or less, remove leftover "
             "segments (shmstore gc), or give the machine or container more shared memory "
-            "(docker run --shm-size=...; see the vLLM guide, 'Shared memory size')")
+            f"(docker run --shm-size={math.ceil(need / GIB) + 1}g; see the vLLM guide, "
+            "'Shared memory size')")
 
 
 def run(argv: list[str]) -> int:

@@ -101,6 +101,10 @@ def check_reader_index(reader: Any, n_readers: int, what: str) -> int:
         index = int(reader.__index__())
     except (TypeError, AttributeError):
         index = -1
+    if n_readers == 0:
+        raise ReaderIndexError(f"{what} has no readers (made with n_readers=0: a store only its "
+                               "writer uses); make it with n_readers=N to read it from other "
+                               "processes", reader, n_readers)
     if not 0 <= index < n_readers:
         raise ReaderIndexError(f"reader index {reader!r:.40} is not valid for {what}: it has "
                                f"{n_readers} readers, so use an int in 0..{n_readers - 1}",

@@ -128,6 +128,11 @@ class ShmRingBuffer(Closeable):
         )
         return RingWriter(segment)
 
+    @staticmethod
+    def segment_bytes(capacity_bytes: int, meta_bytes: int) -> int:
+        """Bytes of /dev/shm create() reserves for these arguments."""
+        return Segment.total_bytes_for(align_up(capacity_bytes), meta_bytes)
+
     @classmethod
     def attach(cls, name: str, *, prefault: bool = True) -> ShmRingBuffer:
         """Attach to an existing ring by name for reading."""

@@ -113,6 +113,11 @@ class Segment(Closeable):
 
     # -- construction ------------------------------------------------------------------------
 
+    @staticmethod
+    def total_bytes_for(capacity_bytes: int, meta_bytes: int) -> int:
+        """Bytes a segment with these areas takes in /dev/shm (what create reserves)."""
+        return align_up(SEGMENT_HEADER.size + meta_bytes) + capacity_bytes
+
     @classmethod
     def create(
         cls,
@@ -152,7 +157,7 @@ class Segment(Closeable):
             raise InvalidArgument(f"capacity_bytes must be a multiple of {ALIGN_BYTES}, got "
                                   f"{capacity_bytes}", "capacity_bytes", capacity_bytes)
         data_offset = align_up(SEGMENT_HEADER.size + meta_bytes)
-        total_bytes = data_offset + capacity_bytes
+        total_bytes = Segment.total_bytes_for(capacity_bytes, meta_bytes)
         _exit.prepare()
         try:
             shm = _create_exclusive(name, mode)

@@ -116,6 +116,13 @@ class ObjectStore:
             raise
 
     @staticmethod
+    def segment_bytes(capacity_bytes: int, n_readers: int) -> int:
+        """Bytes of /dev/shm a store made with `capacity_bytes` and `n_readers` reserves: its
+        ring and the segment's header, meta area and reader rows."""
+        meta_bytes = STORE_META.size + STORE_ROW.size * n_readers
+        return ShmRingBuffer.segment_bytes(capacity_bytes, meta_bytes)
+
+    @staticmethod
     def ring_bytes_for(object_bytes: int, n_readers: int) -> int:
         """Ring bytes one object of `object_bytes` (serialized) takes with `n_readers`: chunk
         header, object header, read counters, body, rounded to cache lines."""

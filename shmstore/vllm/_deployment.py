@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._proc import env_seconds, env_switch, int_arg
-from ..errors import InvalidArgument
+from .._proc import env_seconds, env_switch
 from ..serving._deployment import Shape
 from ..serving._pool import default_workers
 from ..store._policy import DEFAULT_POLICY
@@ -31,6 +30,7 @@ from ._env import (
     REPLACED_ENV,
     SETTLE_ENV,
     WAIT_ENV,
+    pool_setting,
 )
 from ._vllm import buffer_name, vllm_version, world_local_rank
 
@@ -130,28 +130,18 @@ def _accelerate() -> bool:
     return on
 
 
-MAX_POOL_WORKERS = 256
-
-
 def _pool_workers(taken: int) -> tuple[int, str]:
     """The node's miss pool size and how it was chosen: POOL_ENV's number, 0/off for none, or
     (unset, auto) the cores the server's processes leave free (serving/_pool.py
     default_workers; `taken`: its API servers, engines and workers)."""
-    raw = os.environ.get(POOL_ENV, "").strip().lower()
-    if raw in ("", "auto"):
+    workers = pool_setting()
+    if workers is None:
         cores = len(os.sched_getaffinity(0))
         workers = default_workers(taken=taken, cores=cores)
         return workers, (f"{POOL_ENV} unset or auto: {cores} cores, {taken} taken by the API "
                          f"servers, engines and workers" + ("" if workers else
                                                             f"; set {POOL_ENV}=N to run one"))
-    if raw in ("0", "off", "false", "no"):
-        return 0, f"{POOL_ENV}={raw}"
-    try:
-        return int_arg(int(raw), POOL_ENV, 0, MAX_POOL_WORKERS), f"{POOL_ENV}={raw}"
-    except ValueError:
-        raise InvalidArgument(f"{POOL_ENV}={raw!r} is not a pool size: set a number of worker "
-                              f"processes (0 to {MAX_POOL_WORKERS}), auto, or 0/off", POOL_ENV,
-                              raw) from None
+    return workers, f"{POOL_ENV}={os.environ.get(POOL_ENV, '').strip().lower()}"
 
 
 def _processor_identity(model: Any, mm: Any) -> bytes:

@@ -46,6 +46,9 @@ def register() -> None:
     global _registered
     if not enabled() or _registered:
         return
+    from ._env import check_settings
+
+    check_settings()  # a bad setting: one error here, before any store or process is made
     from ._install import install
 
     install()

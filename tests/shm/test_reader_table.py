@@ -224,3 +224,15 @@ class TestReaderTableContract:
                     r.get(timeout=0)
             with side.attach(name, 0):  # the row was given back
                 pass
+
+
+def test_attaching_a_store_made_without_readers_says_so(name: str) -> None:
+    """Once: 'use an int in 0..-1'."""
+    import pytest
+
+    from shmstore import ObjectStore
+    from shmstore.errors import ReaderIndexError
+
+    with ObjectStore.create(name, capacity_bytes=1 << 16, n_readers=0):
+        with pytest.raises(ReaderIndexError, match=r"has no readers .*n_readers=N"):
+            ObjectStore.attach(name, reader=0)
