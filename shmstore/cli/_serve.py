@@ -85,7 +85,8 @@ def preflight(argv: list[str]) -> str | None:
     from ..errors import InvalidArgument
     from ..shm._header import SHM_DIR, shm_free_bytes
     from ..store._object_store import ObjectStore
-    from ..vllm._env import ENABLE_ENV, check_settings
+    from ..vllm._deployment import check_settings
+    from ..vllm._env import ENABLE_ENV
 
     if argv[:1] != ["serve"] or _flag(argv, "--mm-processor-cache-type") != "shm":
         return None

@@ -9,6 +9,7 @@ ledger, TP across nodes): vLLM's calls, configuration and item shapes are read h
                    (serving/_deployment.py's Shape, and what only vLLM needs)
     _install.py    install(): binds vLLM's cache factories to the plugin's caches
     _sender.py     the sender cache, in each API process (on serving/_sender.py's Sender)
+    _metrics.py    the plugin's shmstore_* metrics (each API server's counters, the pool's)
     _receiver.py   the receiver cache, in each worker
     _items.py      vLLM's items as stored values, and the handle items sent instead
     _accel/        the acceleration, behind one switch: lazy images (a hit never decodes)

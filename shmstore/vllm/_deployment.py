@@ -1,7 +1,9 @@
 """Where the plugin's store is, who writes it and who reads it: read once from vLLM's
 configuration and the environment into a frozen Deployment (the only code that reads either):
 the engine-neutral Shape of serving/_deployment.py (its shapes, and open_writer, which picks
-the writer for this process's shape), and what only vLLM needs.
+the writer for this process's shape), and what only vLLM needs. check_settings reads every
+setting before vLLM starts (`shmstore serve`, the plugin's register): a bad value is one line,
+not a traceback in an API server a minute later. vLLM itself is imported only by read().
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._proc import env_seconds, env_switch
+from .._proc import env_seconds, env_switch, int_arg
+from ..errors import InvalidArgument
 from ..serving._deployment import Shape
 from ..serving._pool import default_workers
-from ..store._policy import DEFAULT_POLICY
+from ..store._policy import DEFAULT_POLICY, POLICIES
+from . import _env
 from ._env import (
     ACCELERATE_ENV,
     ALLOW_ENV,
+    ENABLE_ENV,
     INSECURE_ENV,
     KEYS_ENV,
     LEASE_ENV,
@@ -30,9 +35,7 @@ from ._env import (
     REPLACED_ENV,
     SETTLE_ENV,
     WAIT_ENV,
-    pool_setting,
 )
-from ._vllm import buffer_name, vllm_version, world_local_rank
 
 __all__ = ["Deployment", "local_rank"]
 
@@ -66,6 +69,8 @@ class Deployment(Shape):
         Raises:
             InvalidArgument: an environment variable with a value it cannot take.
         """
+        from . import _vllm  # vLLM itself: only here, in a process vLLM runs
+
         mm = vllm_config.model_config.get_multimodal_config()
         parallel = vllm_config.parallel_config
         capacity = int(mm.mm_processor_cache_gb * GIB)
@@ -84,7 +89,7 @@ class Deployment(Shape):
         per_engine = int(getattr(parallel, "local_world_size", parallel.world_size))
         pool = _pool_workers(taken=api_servers + engines * (1 + per_engine))
         return cls(
-            cache_type=str(mm.mm_processor_cache_type), name=buffer_name(),
+            cache_type=str(mm.mm_processor_cache_type), name=_vllm.buffer_name(),
             capacity_bytes=capacity,
             max_object_bytes=min(int(mm.mm_shm_cache_max_object_size_mb * MIB), capacity),
             policy=env.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY,
@@ -149,7 +154,9 @@ def _processor_identity(model: Any, mm: Any) -> bytes:
     bytes that every API server of one deployment computes alike."""
     import blake3
 
-    parts = [vllm_version(), *(getattr(model, field, None) for field in (
+    from . import _vllm
+
+    parts = [_vllm.vllm_version(), *(getattr(model, field, None) for field in (
         "model", "revision", "tokenizer", "tokenizer_revision", "hf_overrides",
         "trust_remote_code")), getattr(mm, "mm_processor_kwargs", None)]
     text = json.dumps([_stable(p) for p in parts], sort_keys=True, default=_stable)
@@ -180,5 +187,57 @@ def _vocab_size(model: Any) -> int:
 def local_rank() -> int:
     """This worker's rank on its node: vLLM's world group once it exists, else LOCAL_RANK
     (torch.distributed's, set by vLLM's launcher)."""
-    rank = world_local_rank()
+    from . import _vllm
+
+    rank = _vllm.world_local_rank()
     return int(os.environ.get("LOCAL_RANK", "0")) if rank is None else rank
+
+
+MAX_POOL_WORKERS = 256
+OFF = ("0", "off", "false", "no")
+
+
+def pool_setting() -> int | None:
+    """POOL_ENV's number of workers (0: none), None for auto (unset or "auto").
+
+    Raises:
+        InvalidArgument: a value that is none of these, saying what to set.
+    """
+    raw = os.environ.get(POOL_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in OFF:
+        return 0
+    try:
+        return int_arg(int(raw), POOL_ENV, 0, MAX_POOL_WORKERS)
+    except ValueError:
+        raise InvalidArgument(f"{POOL_ENV}={raw!r} is not a pool size: set a number of worker "
+                              f"processes (0 to {MAX_POOL_WORKERS}), auto, or 0/off", POOL_ENV,
+                              raw) from None
+
+
+def check_settings() -> None:
+    """Read every setting as the plugin will: each switch, duration, the pool's size and the
+    store's policy; a SHMSTORE_VLLM_* name the plugin does not know is refused too (a typo
+    would be silently ignored).
+
+    Raises:
+        InvalidArgument: the first bad one, naming it and what to set.
+    """
+    known = {value for name, value in vars(_env).items()
+             if name.endswith("_ENV") and isinstance(value, str)} | set(REPLACED_ENV)
+    for name in sorted(os.environ):
+        if name.startswith(ENABLE_ENV + "_") and name not in known:
+            settings = ", ".join(sorted(n for n in known if n.startswith(ENABLE_ENV)))
+            raise InvalidArgument(f"{name} is not a setting of shmstore's vLLM plugin (a typo?); "
+                                  f"its settings are {settings}", name, os.environ[name])
+    for switch in (ENABLE_ENV, ACCELERATE_ENV, INSECURE_ENV, *REPLACED_ENV):
+        env_switch(switch, True)
+    for seconds in (SETTLE_ENV, LEASE_ENV, WAIT_ENV):
+        env_seconds(seconds, 1.0)
+    pool_setting()
+    policy = os.environ.get(POLICY_ENV, DEFAULT_POLICY).strip() or DEFAULT_POLICY
+    if policy not in POLICIES:
+        raise InvalidArgument(f"{POLICY_ENV}={policy!r} is not a policy: use one of "
+                              f"{', '.join(POLICIES)} (or unset it: {DEFAULT_POLICY})",
+                              POLICY_ENV, policy)

@@ -46,7 +46,7 @@ def register() -> None:
     global _registered
     if not enabled() or _registered:
         return
-    from ._env import check_settings
+    from ._deployment import check_settings
 
     check_settings()  # a bad setting: one error here, before any store or process is made
     from ._install import install
