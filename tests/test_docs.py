@@ -112,6 +112,34 @@ def test_python_block_runs_as_printed(block: Block, tmp_path: Path) -> None:
     _run_python(path, tmp_path)
 
 
+def _prompt_errors(code: str) -> list[str]:
+    """What Python's interactive prompt says pasting `code` line by line (it reads statements
+    as the REPL does, runs nothing): a block whose indented lines are followed by an
+    unindented one without a blank line between is a SyntaxError there."""
+    import codeop
+
+    compile_line = codeop.CommandCompiler()
+    errors, buffer = [], []
+    for number, line in enumerate(code.splitlines() + [""], 1):
+        buffer.append(line)
+        try:
+            done = compile_line("\n".join(buffer), "<stdin>", "single")
+        except (SyntaxError, ValueError, OverflowError) as exc:
+            errors.append(f"line {number}: {exc}")
+            buffer = []
+            continue
+        if done is not None:
+            buffer = []
+    return errors
+
+
+@pytest.mark.parametrize("block", [b for b in _of("python") if b.title is None],
+                         ids=lambda b: b.id)
+def test_python_block_pastes_into_the_prompt(block: Block) -> None:
+    """Blocks without a file name are for pasting into `python`; a titled block is a file."""
+    assert not _prompt_errors(block.code), _prompt_errors(block.code)
+
+
 @pytest.mark.parametrize("block", _of("yaml"), ids=lambda b: b.id)
 def test_yaml_block_parses(block: Block) -> None:
     assert yaml.safe_load(block.code) is not None

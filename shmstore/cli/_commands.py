@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     relay_arguments(relay)
     commands.add_parser("serve", add_help=False, help="vLLM's `vllm serve` on its CUDA or CPU "
                         "build, with shmstore's plugin (every argument goes to vLLM)")
+    tiny = commands.add_parser("tiny-model", help="build a tiny LLaVA with random weights to try "
+                               "the vLLM plugin without a download (needs vLLM installed)")
+    tiny.add_argument("dir", help="where to write it (made if missing)")
+    tiny.add_argument("--kind", choices=["llava", "llava_next"], default="llava",
+                      help="LLaVA-1.5 (default) or LLaVA-NeXT (anyres tiles)")
+    tiny.add_argument("--image-size", type=int, default=56,
+                      help="pixels, a multiple of 14 (336 is LLaVA-1.5's)")
     commands.add_parser("ls", help="list shmstore segments in /dev/shm with owner, size and age")
     rm = commands.add_parser("rm", help="remove a segment whose writer is dead (never a live one)")
     rm.add_argument("names", nargs="+", metavar="NAME")
@@ -181,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._relay import main as relay_main
 
         return relay_main(args)
+    if args.command == "tiny-model":
+        from ._tiny import main as tiny_main
+
+        return tiny_main(args)
     if args.command == "ls":
         return cmd_ls()
     if args.command == "rm":

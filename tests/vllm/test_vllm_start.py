@@ -28,6 +28,7 @@ from tests.vllm.tiny_llava import build
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 SHMSTORE = Path(sys.executable).with_name("shmstore")
 GUIDE = Path(__file__).parents[2] / "docs" / "vllm.md"
+README = Path(__file__).parents[2] / "README.md"
 
 
 def free_port() -> int:
@@ -37,12 +38,19 @@ def free_port() -> int:
 
 
 def test_the_guides_cpu_line_starts_a_server_as_printed(tmp_path: Path) -> None:
+    """The guide's and the README's CPU line (the same line), on a model made as the README
+    says to try it: `shmstore tiny-model DIR`."""
     line = next(line for line in GUIDE.read_text().splitlines()
                 if "shmstore serve MODEL" in line and "VLLM_CPU_KVCACHE_SPACE" in line)
+    assert line.strip() in README.read_text().splitlines(), "the README prints another line"
     words = shlex.split(line)
     env_words = [w for w in words[:words.index("shmstore")] if "=" in w]
     argv = words[words.index("shmstore") + 1:]
-    model = build(tmp_path / "model")
+    made = subprocess.run([str(SHMSTORE), "tiny-model", str(tmp_path / "model")],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert "shmstore serve " in made.stdout  # it says how to serve it
+    model = tmp_path / "model"
     segment = new_name("guide")
     port = free_port()
     env = {**{k: v for k, v in os.environ.items()
