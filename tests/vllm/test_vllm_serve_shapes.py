@@ -211,11 +211,16 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
     assert server.metric("shmstore_vllm_records_refused_total") == 0
     if pooled:  # the new JPEGs by data URL and by URL went to the pools; the corrupt one
         # failed there twice (then got vLLM's error above); the uuid's item is not the
-        # pool's (its hash is the uuid): declined, processed on its API server
+        # pool's (its hash is the uuid): not sent, processed on its API server
         assert eventually(lambda: server.metric(POOL, outcome="stored") == len(JPEGS) + 1)
         assert server.metric(POOL, outcome="failed") == 2
-        assert server.metric(POOL, outcome="declined") == 1
+        assert server.metric(POOL, outcome="declined") == 0
+        assert server.metric(POOL, outcome="sent") == len(JPEGS) + 1 + 2
         assert server.metric(POOL, outcome="died") == 0
+        # each image the pool made counts once as new ("pooled"), never as a hit, on the API
+        # server whose request it was made for
+        assert eventually(lambda: server.metric("shmstore_vllm_items_total", outcome="pooled")
+                          == len(JPEGS) + 1)
 
 
 @pytest.mark.parametrize("shaped", ["data-parallel-2-pool"], indirect=True)
