@@ -3,7 +3,7 @@ ones to stop, stop, replace) and the worker process itself (_worker_main).
 
     owner's dispatcher thread                    worker process (spawned by that thread)
       job frames: [key, job]            ----->     builds its processor, then per job:
-      messages:   ["ready"]             <-----       stored already? process, store_unowed
+      messages:   ["ready"]             <-----       stored already? process, store
                   ["broken", why]                    (a job it cannot read: "failed")
                   ["done", outcome, detail]
 
@@ -242,7 +242,7 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
                 done(Outcome.DECLINED)
                 continue
             try:
-                writer.store_unowed(key, value)
+                writer.store(key, value)
                 done(STORED)
             except KeyExists:
                 done(STORED, "stored by another meanwhile")

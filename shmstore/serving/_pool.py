@@ -5,7 +5,7 @@ store, whatever the engine (an adapter says how one item is processed: a Process
       MissPool (the callers' side)                 builds its processor once: factory(*args)
         submit(key, job) -> Future[Outcome]        then, for each job:
           a key in flight is waited for,              value = process(job)
-          not processed twice (single flight)         RemoteWriter.store_unowed(key, value)
+          not processed twice (single flight)         RemoteWriter.store(key, value)
           no worker ready, or more than                 (one copy, into a chunk the host
           max_waiting queued: an outcome at once        lends; no reader owes it)
         the dispatcher thread (one loop):

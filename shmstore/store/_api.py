@@ -35,6 +35,10 @@ class WriterAPI(Protocol):
     def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
         """Store `obj` (or a serde.Encoded) under `key` and hand it out once."""
 
+    def store(self, key: str | bytes, obj: Any) -> Handle:
+        """Store `obj` under `key`, owed by no reader (cached for whoever asks next): what a
+        process that stores for others needs (a miss pool's worker). Raises as hand_out_new."""
+
     def hand_out_cached(self, keys: Iterable[str | bytes], field: str | None = None
                         ) -> list[HandOut | None]:
         """Hand each cached key's object out once more (None for a key not cached); with

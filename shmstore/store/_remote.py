@@ -274,10 +274,10 @@ class RemoteWriter(Closeable):
         with self._io:  # the ring stays mapped from the loan to its commit
             return self._handout(self._put(key, enc))
 
-    def store_unowed(self, key: str | bytes, obj: Any) -> Handle:
-        """Store `obj` under `key` with no hand-out out (the host commits it and gives the
-        hand-out back in one step): cached for whoever asks next, owed by no reader, so a
-        client that dies right after pins nothing. Raises as hand_out_new."""
+    def store(self, key: str | bytes, obj: Any) -> Handle:
+        """Store `obj` under `key` with no hand-out out (WriterAPI.store; the host commits it
+        and gives the hand-out back in one step): cached for whoever asks next, owed by no
+        reader, so a client that dies right after pins nothing. Raises as hand_out_new."""
         check_key(key)
         enc: Encoded = obj if isinstance(obj, Encoded) else encode(obj)
         with self._io:

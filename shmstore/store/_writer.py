@@ -238,6 +238,13 @@ class StoreWriter(StoreBase):
         return self._hand_out_new(key, obj if isinstance(obj, Encoded) else encode(obj),
                                   timeout)
 
+    def store(self, key: str | bytes, obj: Any) -> Handle:
+        """Store `obj` under `key`, owed by no reader (WriterAPI.store): handed out and given
+        back at once, so the object is cached and pins nothing."""
+        handout = self.hand_out_new(key, obj)
+        self.give_back(handout.handle, handout.number)
+        return handout.handle
+
     @hands_out
     def _hand_out_new(self, done: Done, key: str | bytes, enc: Encoded,
                       timeout: float | None) -> HandOut:

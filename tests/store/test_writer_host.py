@@ -176,16 +176,20 @@ def _raw(writer) -> socket.socket:
     return sock
 
 
-def test_store_unowed_caches_an_object_no_reader_owes(hosted) -> None:
+def test_store_caches_an_object_no_reader_owes_on_either_writer(hosted) -> None:
     writer, _, client, readers, _ = hosted
-    handle = client.store_unowed("u", blob(5))
+    handle = client.store("u", blob(5))
     assert writer.unread(handle) == (0, 0) and client.is_cached("u")
     assert writer.get_cached("u") == handle
     with pytest.raises(KeyExists):
-        client.store_unowed("u", blob(6))
+        client.store("u", blob(6))
     with pytest.raises(ObjectTooLarge):
-        client.store_unowed("huge", blob(7, 128 * KIB))
+        client.store("huge", blob(7, 128 * KIB))
     assert readers[1].get(handle)[0] == 5
+    local = writer.store("v", blob(8))  # the writer's own: the same verb, the same meaning
+    assert writer.unread(local) == (0, 0) and client.is_cached("v")
+    with pytest.raises(KeyExists):
+        writer.store("v", blob(9))
 
 
 def test_hand_out_cached_takes_every_hit_in_one_call(hosted) -> None:
