@@ -339,7 +339,10 @@ def main(args: argparse.Namespace) -> int:
     if hint is not None:
         print(hint, file=sys.stderr)
         return 2
+    stopped_by = [signal.SIGINT]
+
     def terminate(signum: int, frame: Any) -> None:
+        stopped_by[0] = signal.SIGTERM
         raise KeyboardInterrupt
 
     previous_term = signal.signal(signal.SIGTERM, terminate)
@@ -347,8 +350,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = run_demo(args)
     except KeyboardInterrupt:
-        print("\ninterrupted; shared memory cleaned up", file=sys.stderr)
-        return 130
+        how = "terminated" if stopped_by[0] == signal.SIGTERM else "interrupted"
+        print(f"\n{how}; shared memory cleaned up", file=sys.stderr)
+        return 128 + stopped_by[0]  # as a shell reports the signal: 130 for SIGINT, 143 SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous_term)
         signal.signal(signal.SIGINT, previous_int)

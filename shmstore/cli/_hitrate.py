@@ -123,11 +123,13 @@ def budget_spec(spec: str) -> list[tuple[str, float | None, int | None]]:
                 if not 0 < percent <= 1e6:  # also nan and inf
                     raise ValueError(part)
                 budgets.append((part, percent, None))
+            elif part.replace(".", "", 1).isdigit():  # a bare number: bytes, or a forgotten %?
+                raise ValueError(part)
             else:
                 budgets.append((part, None, parse_size(part)))
         except (ValueError, OverflowError):
             raise TraceError(f"--budgets: {part!r} is neither a percent (5%, up to 1000000%) nor "
-                             "a size (512MiB, 4GiB)") from None
+                             "a size with its unit (512MiB, 4GiB, 1000B)") from None
     if not budgets:
         raise TraceError(f"--budgets {spec!r}: give at least one, e.g. 5%,10%,4GiB")
     return budgets

@@ -217,10 +217,13 @@ class Segment(Closeable):
         try:
             shm = posix_ipc.SharedMemory(posix_name(name))
         except posix_ipc.ExistentialError:
+            hint = "start the writer that creates it first, or check the name"
+            if os.path.exists(os.path.join(SHM_DIR, f"{name}.store")) and os.path.exists(
+                    os.path.join(SHM_DIR, f"{name}.queue")):  # a Channel's two segments
+                hint = (f"{name!r} is a Channel (its segments are {name}.store and "
+                        f"{name}.queue): attach it with Channel.attach({name!r}, reader=...)")
             raise SegmentNotFound(
-                f"no shared memory named {name!r} in {SHM_DIR}: start the writer that creates it "
-                "first, or check the name", name
-            ) from None
+                f"no shared memory named {name!r} in {SHM_DIR}: {hint}", name) from None
         except posix_ipc.PermissionsError:
             raise SegmentPermissionError(
                 f"no permission to open shared memory {name!r}: it belongs to another user or its "

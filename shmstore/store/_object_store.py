@@ -260,6 +260,11 @@ class StoreReader(StoreBase):
 
         The bytes cannot change while the block runs (not even through clear()); once it exits
         the writer may reuse them. Keep what you need with `.copy()` / `.clone()`, or use get().
+        An array kept past the block (a name still bound to it, a slice stored elsewhere) is
+        not detected: it later shows whatever the writer puts there, the one way this library
+        returns other bytes without an error. Each view or get counts one read of one
+        hand-out: reading a hand-out twice counts two, so the writer may reclaim the object
+        while a later hand-out of it is still owed, and that read then fails StaleHandle.
         """
         return self._pinned(handle, lambda: self._decode(handle, copy=False))
 

@@ -53,6 +53,8 @@ from ._wire import (
 
 __all__ = ["RemoteWriter"]
 
+WAIT_NOTICE_S = 1.0  # a connect still waiting after this long says so, once
+
 log = logging.getLogger("shmstore")
 
 
@@ -72,10 +74,16 @@ class RemoteWriter(Closeable):
         self.name = name
         self._pid = os.getpid()
         deadline = Deadline(connect_timeout_s)
+        said_at = time.monotonic() + WAIT_NOTICE_S
         while True:  # the store's epoch names its host's socket: map the ring first
             why = self._connect(name)
             if why is None:
                 break
+            if time.monotonic() > said_at:  # a wait of 30 s in silence looked like a hang
+                said_at = float("inf")
+                log.warning("shmstore: waiting up to %s s for the host of store %r (%s); the "
+                            "process that creates the store must run a WriterHost",
+                            connect_timeout_s, name, why)
             if deadline.expired():
                 raise Closed(f"no process serves the writer of store {name!r} (after "
                              f"{connect_timeout_s} s: {why}); start the process that "

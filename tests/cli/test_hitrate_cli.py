@@ -73,6 +73,7 @@ def test_libcachesim_csv_columns_and_oracle_general_read_the_same_requests(tmp_p
     ("when,what\n1,a\n", [], "--columns"),
     ("1,a,5\n", ["--columns", "key=2,size=x"], "NAME=NUMBER"),
     ("1,a,5\n", ["--budgets", "lots"], "neither a percent"),
+    ("1,a,5\n", ["--budgets", "10"], "a size with its unit"),  # once 10 bytes, silently
     ("1,a,5\n", ["--kinds", "shm-fifo,arc"], "choose from"),
     ("", [], "no requests"),
 ])

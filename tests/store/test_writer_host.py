@@ -414,3 +414,23 @@ def test_a_host_sending_a_bad_hand_out_reply_closes_the_client(hosted, monkeypat
         monkeypatch.undo()
         client = RemoteWriter(writer.name, connect_timeout_s=5)
     client.close()
+
+
+def test_a_remote_writer_waiting_for_a_host_says_so(name: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A store without a host: the wait once went 30 s in silence before 'connection refused'."""
+    from shmstore import ObjectStore
+
+    with ObjectStore.create(name, capacity_bytes=1 << 16, n_readers=1):
+        with caplog.at_level("WARNING", logger="shmstore"), pytest.raises(Closed):
+            RemoteWriter(name, connect_timeout_s=1.5)
+    assert any("must run a WriterHost" in r.getMessage() for r in caplog.records)
+
+
+def test_attaching_a_channels_name_as_a_store_names_the_channel(name: str) -> None:
+    from shmstore import Channel, ObjectStore
+    from shmstore.errors import SegmentNotFound
+
+    with Channel.create(name, n_readers=1, capacity_bytes=1 << 16):
+        with pytest.raises(SegmentNotFound, match=r"is a Channel .*Channel.attach"):
+            ObjectStore.attach(name, reader=0)
