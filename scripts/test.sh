@@ -8,4 +8,6 @@ scripts/setup.sh
 .venv/bin/python -m mypy
 scripts/check-native.sh -m "not slow"  # the C part: -Wall -Wextra -Werror, ASan and UBSan
 scripts/docs.sh build
+# the engine-neutral core, with vLLM unimportable (as where it is not installed)
+SHMSTORE_TEST_WITHOUT_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/serving
 .venv/bin/python -m pytest --durations=25 "$@"  # the 25 slowest tests, listed at the end

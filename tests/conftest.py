@@ -20,6 +20,13 @@ from shmstore.shm._segment import MAGIC, SEGMENT_HEADER, SHM_DIR
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# SHMSTORE_TEST_WITHOUT_VLLM=1: vLLM cannot be imported in this run, as where it is not
+# installed (CI runs the engine-neutral core's tests so: tests/serving)
+if os.environ.get("SHMSTORE_TEST_WITHOUT_VLLM") == "1":
+    import sys
+
+    sys.modules["vllm"] = None  # type: ignore[assignment]
+
 SESSION_START_NS = time.time_ns()
 # One token per test session, inherited by the processes it spawns: the leak check below only
 # ever removes this session's segments, never those of a run beside it.

@@ -1,0 +1,142 @@
+"""The engine-neutral serving core, driven as a second engine's adapter would drive it, with no
+vLLM: a sender's misses, hits and touches, the request ledger settling what ended requests
+left, a worker's receiver counting each hand-out once per request, open_writer's roles for
+two API servers, and open_pool's for the node's miss pool. CI runs this folder with vLLM made
+unimportable too (SHMSTORE_TEST_WITHOUT_VLLM=1: tests/conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmstore.serving._deployment import NodePool, Shape, open_pool, open_writer
+from shmstore.serving._outcome import STORED, Processor
+from shmstore.serving._receiver import Receiver, Unreadable
+from shmstore.serving._sender import Sender
+from tests._names import ObjectStore
+from tests._waiting import wait_for
+from tests.serving.test_pool import READY_S, TOY
+
+KIB = 1024
+
+
+def shape(name: str, **changes: Any) -> Shape:
+    base = Shape(name=name, capacity_bytes=256 * KIB, max_object_bytes=64 * KIB, policy="fifo",
+                 api_servers=1, api_rank=0, engines=1, engine=0, per_engine=2, nodes=1,
+                 node_rank=0, settle_s=0.0, lease_s=60.0, wait_s=1.0, publish="", keys_file="",
+                 allow=(), insecure=False, pool_workers=0)
+    return dataclasses.replace(base, **changes)
+
+
+def no_head(make: Any) -> Any:
+    raise AssertionError("no relay head on one node")
+
+
+def value(n: int) -> dict[str, Any]:
+    return {"pixel_values": np.full(64, n, np.float32)}
+
+
+def test_the_core_imports_without_vllm() -> None:
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import shmstore.serving._deployment, shmstore.serving._sender, "
+            "shmstore.serving._receiver, shmstore.serving._requests, shmstore.serving._nodes\n"
+            "assert not any(m.startswith('vllm') and sys.modules[m] for m in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_miss_then_hits_each_read_once_per_request_and_unread_ones_settled(
+        name: str) -> None:
+    lock = threading.RLock()
+    writers = open_writer(shape(name), lock, no_head)
+    assert writers.local is not None and writers.host is None  # one API server: no host
+    sender = Sender(writers.store, lock, settle_s=0.0, lease_s=60.0)
+    receivers = [Receiver(lambda r=r: ObjectStore.attach(name, reader=r)) for r in (0, 1)]
+    try:
+        assert sender.hit("k", cached_here=False) is None  # a miss
+        made = sender.store_miss("k", value(1))
+        assert made is not None
+        sent = sender.deliver(made, "k", has_data=True)
+        assert sent is not None
+        sender.ledger.request_added("r1", [sent.number])
+        for receiver in receivers:  # a worker reads it, the engine sends it again: once
+            for _ in range(2):
+                np.testing.assert_array_equal(receiver.read(sent, "k", "r1")["pixel_values"],
+                                              value(1)["pixel_values"])
+        assert writers.store.unread(sent.handle) == (0, 0)
+        sender.ledger.request_ended("r1", aborted=False)
+
+        hit = sender.hit("k", cached_here=True)  # a hit: a hand-out of its own
+        assert hit is not None and hit.number != sent.number
+        hit = sender.deliver(hit, "k", has_data=False)
+        assert hit is not None
+        sender.ledger.request_added("r2", [hit.number])
+        sender.ledger.request_ended("r2", aborted=True)  # no worker read it
+        assert writers.store.unread(hit.handle) == (1, 1)
+        assert sender.ledger.settle(full=True)  # settle_s 0: over now, the store told
+        # the object's two hand-outs are over together, one of them aborted and unread
+        assert sender.ledger.settled["aborted"] == 2 and sender.ledger.live_requests == 0
+        assert writers.store.withdraw(hit.handle)  # what nobody will read may go
+        assert sender.items["stored"] == 1 and sender.items["hit"] == 1
+        with pytest.raises(Unreadable):  # another item's handle is refused, not read
+            receivers[0].read(sent, "other-key", "r3")
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        sender.close()
+        writers.close()
+
+
+def test_open_writer_gives_the_second_api_server_the_first_ones_store(name: str) -> None:
+    first_lock, second_lock = threading.RLock(), threading.RLock()
+    first = open_writer(shape(name, api_servers=2), first_lock, no_head)
+    try:
+        assert first.local is not None and first.host is not None  # serves the other
+        second = open_writer(shape(name, api_servers=2, api_rank=1), second_lock, no_head)
+        try:
+            assert second.local is None and second.role == "writes it through API server 0"
+            a, b = Sender(first.store, first_lock, settle_s=0, lease_s=60), \
+                Sender(second.store, second_lock, settle_s=0, lease_s=60)
+            made = b.store_miss("photo", value(2))
+            assert made is not None and a.hit("photo", cached_here=True) is not None
+            assert first.local.stats().puts == 1  # one copy on the node
+            a.close()
+            b.close()
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_open_pool_decides_every_role(name: str) -> None:
+    lock = threading.RLock()
+    processor = Processor(TOY)
+    assert open_pool(shape(name), None, processor) is None  # type: ignore[arg-type]
+    one = shape(name, pool_workers=1)
+    relay = shape(name, pool_workers=1, nodes=2)
+    assert open_pool(relay, None, processor) is None  # type: ignore[arg-type]
+    writers = open_writer(shape(name, api_servers=2, pool_workers=1), lock, no_head, host=True)
+    owner: NodePool | None = None
+    client: NodePool | None = None
+    try:
+        owner = open_pool(dataclasses.replace(one, api_servers=2), writers, processor)
+        assert owner is not None and owner.pool is not None and owner.host is not None
+        client = open_pool(dataclasses.replace(one, api_servers=2, api_rank=1),
+                           dataclasses.replace(writers, local=None), processor)
+        assert client is not None and client.pool is None and client.client is not None
+        wait_for(lambda: owner.stats().ready == 1, READY_S, "the pool's worker")  # type: ignore[union-attr]
+        assert client.submit("c", {"bytes": b"c"}).result(READY_S) == STORED
+        assert owner.submit("o", {"bytes": b"o"}).result(READY_S) == STORED
+        assert client.stats() is None and owner.stats().stored == 2  # type: ignore[union-attr]
+    finally:
+        for each in (client, owner):
+            if each is not None:
+                each.close()
+        writers.close()
