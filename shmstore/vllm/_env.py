@@ -14,6 +14,12 @@ INSECURE_ENV = "SHMSTORE_VLLM_INSECURE"  # head: 1 to publish over plain TCP (no
 WAIT_ENV = "SHMSTORE_VLLM_WAIT_S"  # node k worker: longest wait for an item's handle
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: /metrics from files
 ACCELERATE_ENV = "SHMSTORE_VLLM_ACCELERATE"  # 0/1 (default 1): lazy images and records (_accel)
+TRY_VERSION_ENV = "SHMSTORE_VLLM_TRY_VERSION"  # 1: run on a vLLM version not in SUPPORTED_VLLM
 POOL_ENV = "SHMSTORE_VLLM_POOL"  # the node's miss pool workers: N, 0/off, or auto (default)
 # the switches ACCELERATE_ENV replaced: still read (0 turns the acceleration off), with a warning
 REPLACED_ENV = ("SHMSTORE_VLLM_LAZY_IMAGES", "SHMSTORE_VLLM_SHARE_UPDATES")
+SUPPORTED_VLLM = ("0.32",)  # the vLLM releases (major.minor) the plugin serves
+# releases it knows and does not serve yet, and why (TRY_VERSION_ENV=1 runs it anyway)
+PENDING_VLLM = {"0.33": "its per-request decoded-media budget "
+                        "(VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES) is not kept yet for images "
+                        "shmstore loads lazily or its miss pool processes"}

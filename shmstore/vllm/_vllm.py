@@ -77,7 +77,7 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
            "open_image", "install_image_loader", "max_image_pixels", "run_cli",
-           "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "request_id_of",
+           "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "missing_hook_points", "request_id_of",
            "feature_data", "features_with_data", "new_requests", "resolve_new_request",
            "receiver_cache", "processor_inputs", "with_cache", "items_data", "renderer_cache",
            "request_hashes", "prompt_kwargs", "prompt_uuids", "build_processor", "load_image",
@@ -135,6 +135,17 @@ ITEM_SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm.multimodal.inputs", "MultiModalSharedField"): ("keep_on_cpu", "batch_size"),
     ("vllm.multimodal.inputs", "MultiModalBatchedField"): ("keep_on_cpu",),
 }
+
+
+def missing_hook_points() -> list[str]:
+    """The methods of HOOK_POINTS this vLLM lacks, as module.Class.method."""
+    missing = []
+    for module_name, class_name, method, _ in HOOK_POINTS:
+        try:
+            getattr(getattr(importlib.import_module(module_name), class_name), method)
+        except (ImportError, AttributeError):
+            missing.append(f"{module_name}.{class_name}.{method}")
+    return missing
 
 
 def missing_shapes() -> list[str]:

@@ -46,9 +46,17 @@ def register() -> None:
     global _registered
     if not enabled() or _registered:
         return
-    from ._deployment import check_settings
+    import logging
+
+    from ._deployment import check_settings, vllm_refusal
+    from ._env import LOG_NAME
 
     check_settings()  # a bad setting: one error here, before any store or process is made
+    why = vllm_refusal()
+    if why is not None:  # never a traceback mid-request: vLLM's own cache serves instead
+        logging.getLogger(LOG_NAME).warning(
+            "shmstore vLLM plugin stands aside, vLLM's own multimodal cache runs: %s", why)
+        return
     from ._install import install
 
     install()

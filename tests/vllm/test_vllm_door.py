@@ -242,3 +242,58 @@ def test_the_processor_hook_hands_vllm_a_copy_whose_cache_is_the_view() -> None:
     out = with_cache(inputs, "view")
     assert (out.cache, inputs.cache) == ("view", "sender")
     assert out.prompt is inputs.prompt and out.hf_processor_mm_kwargs is inputs.hf_processor_mm_kwargs
+
+
+def test_another_vllm_version_makes_the_plugin_stand_aside(monkeypatch) -> None:
+    """A vLLM the plugin does not know (0.34, an older one) is refused at start in one line
+    that names the version and what is supported; TRY_VERSION lets an operator try it, and
+    the door's checks still run then."""
+    pytest.importorskip("vllm")
+    from shmstore.vllm import _deployment
+
+    assert _deployment.vllm_refusal() is None  # the version this suite runs
+    monkeypatch.setattr(_deployment, "installed_vllm", lambda: "0.34.0")
+    said = _deployment.vllm_refusal()
+    assert said is not None and "vLLM 0.34.0 is not a version it knows" in said
+    assert "(it serves 0.32.x)" in said and "SHMSTORE_VLLM_TRY_VERSION=1" in said
+    monkeypatch.setattr(_deployment, "installed_vllm", lambda: "0.33.0")  # known, not served
+    said = _deployment.vllm_refusal()
+    assert said is not None and "decoded-media budget" in said
+    monkeypatch.setenv("SHMSTORE_VLLM_TRY_VERSION", "1")
+    assert _deployment.vllm_refusal() is None  # tried on purpose: the door's checks pass
+    monkeypatch.setattr(_deployment, "installed_vllm", lambda: "0.32.7")
+    monkeypatch.delenv("SHMSTORE_VLLM_TRY_VERSION")
+    assert _deployment.vllm_refusal() is None
+
+
+def test_a_vllm_without_a_name_the_door_uses_makes_the_plugin_stand_aside(monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from vllm.multimodal.processing.processor import BaseMultiModalProcessor
+
+    from shmstore.vllm import _deployment
+
+    monkeypatch.delattr(BaseMultiModalProcessor, "_get_cache_missing_items")
+    said = _deployment.vllm_refusal()
+    assert said is not None and "BaseMultiModalProcessor._get_cache_missing_items" in said
+
+
+def test_register_stands_aside_in_one_line_and_leaves_vllms_cache() -> None:
+    """In a fresh process, as vLLM calls the entry point: the plugin binds nothing."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.WARNING)\n"
+        "from shmstore.vllm import _deployment, plugin\n"
+        "_deployment.installed_vllm = lambda: '0.31.2'\n"
+        "plugin.register()\n"
+        "from vllm.multimodal.cache import factories\n"
+        "assert not getattr(factories._get_cache_type, '_shmstore_hook', False)\n"
+        "assert not plugin._registered\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "shmstore" in line]
+    assert len(lines) == 1 and "stands aside" in lines[0] and "vLLM 0.31.2" in lines[0], lines
