@@ -189,26 +189,38 @@ def test_a_job_that_is_not_msgpack_data_is_refused_with_what_to_do(name: str) ->
         MissPool(name, Processor(TOY), workers=0)
 
 
-def _owner(name: str, pids: Any) -> None:
+def _owner(name: str, gate: str, pids: Any) -> None:
+    """A pool's owner that runs until killed; with a `gate`, its worker is inside a job that
+    never ends then (a stuck processor)."""
     with hosted(name):
-        pool = MissPool(name, Processor(TOY), workers=2)
+        pool = MissPool(name, Processor(TOY, (gate,)), workers=2)
         wait_for(lambda: pool.stats().ready == 2, READY_S, "the workers")
+        if gate:
+            pool.submit("held", {"bytes": b"h", "hold": True})
+            wait_for(lambda: len(started(gate)) == 1, READY_S, "the held job")
         pids.put(pool.worker_pids())
         threading.Event().wait()  # until killed
 
 
-def test_workers_exit_when_the_process_that_owns_the_pool_is_killed(name: str) -> None:
+@pytest.mark.parametrize("inside_a_job", [False, True])
+def test_workers_exit_when_the_process_that_owns_the_pool_is_killed(
+        name: str, tmp_path: Any, inside_a_job: bool) -> None:
+    """Idle workers see their pipe close; one inside a job that never ends goes too, without
+    reading its pipe (the kernel's parent-death signal: it once outlived its owner)."""
+    gate = str(tmp_path) if inside_a_job else ""
     ctx = multiprocessing.get_context("spawn")
     pids: Any = ctx.Queue()
-    owner = ctx.Process(target=_owner, args=(name, pids))
+    owner = ctx.Process(target=_owner, args=(name, gate, pids))
     owner.start()
     try:
         workers = pids.get(timeout=READY_S)
         owner.kill()
         owner.join(READY_S)
         wait_for(lambda: not any(pid_alive(pid) for pid in workers), READY_S,
-                 "the workers to see their pipe close")
+                 "the workers to die with their owner")
     finally:
+        if gate:
+            open(os.path.join(gate, "open"), "w").close()
         if owner.is_alive():
             owner.kill()
         owner.join()
@@ -269,36 +281,6 @@ def test_a_job_over_the_time_limit_stops_its_worker_and_falls_back(
         assert outcome(pool, "forever", {"bytes": b"f", "hold": True}) == "died"
         wait_for(lambda: not pid_alive(pid), READY_S, "the stuck worker to be gone")
         assert pool.stats().restarts == 1
-
-
-def _holding_owner(name: str, gate: str, pids: Any) -> None:
-    with hosted(name):
-        pool = MissPool(name, Processor(TOY, (gate,)), workers=1)
-        wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker")
-        pool.submit("held", {"bytes": b"h", "hold": True})
-        wait_for(lambda: len(started(gate)) == 1, READY_S, "the held job")
-        pids.put(pool.worker_pids())
-        threading.Event().wait()  # until killed
-
-
-def test_a_worker_inside_a_job_dies_with_its_owner(name: str, tmp_path: Any) -> None:
-    """The owner is SIGKILLed while its worker runs a job that never ends (a stuck processor):
-    the worker goes too, without reading its pipe (the kernel's parent-death signal)."""
-    ctx = multiprocessing.get_context("spawn")
-    pids: Any = ctx.Queue()
-    owner = ctx.Process(target=_holding_owner, args=(name, str(tmp_path), pids))
-    owner.start()
-    try:
-        workers = pids.get(timeout=READY_S)
-        owner.kill()
-        owner.join(READY_S)
-        wait_for(lambda: not any(pid_alive(pid) for pid in workers), READY_S,
-                 "the worker to die with its owner")
-    finally:
-        open(os.path.join(str(tmp_path), "open"), "w").close()
-        if owner.is_alive():
-            owner.kill()
-        owner.join()
 
 
 def test_a_pool_made_on_a_thread_that_ends_keeps_its_workers(name: str) -> None:
