@@ -238,6 +238,10 @@ def toy_processor(gate_dir: str = "") -> Any:
             raise ValueError(f"cannot decode image: {job['fail']}")
         if job.get("decline"):
             return None
+        if "photo" in job:  # by shared memory (serving/_photos.py)
+            from shmstore.serving._photos import read_photo
+
+            job = {**job, "bytes": read_photo(job["photo"])}
         data = np.frombuffer(job["bytes"], dtype=np.uint8)
         return {"data": data ^ 0xFF, "pid": os.getpid()}
     return process

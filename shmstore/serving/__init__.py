@@ -14,6 +14,7 @@ items into these.
     _crew.py       the pool's workers: their lives in the owner (Crew) and the worker process
     _outcome.py    the pool's words: Outcome, check_job, Processor, PoolStats, the Pool protocol
     _pool_share.py PoolHost and PoolClient: one pool per node, served to its other API servers
+    _photos.py     PhotoOutbox and read_photo: a miss's photo by shared memory, read in place
     _log.py        the core's logger, sent through the engine's own (log_to)
 
 May import: errors, handle, _proc, shm, serde, local, store, queue, cache, relay.

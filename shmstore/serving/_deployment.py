@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, ShmStoreError
 from ..shm._segment import peek_header
 from ..store._api import WriterAPI
 from ..store._host import WriterHost
@@ -31,6 +31,7 @@ from ..store._object_store import ObjectStore, StoreWriter
 from ..store._remote import RemoteWriter
 from ._log import log
 from ._outcome import Outcome, PoolStats, Processor
+from ._photos import PhotoOutbox
 from ._pool import MissPool
 from ._pool_share import PoolClient, PoolHost
 
@@ -149,9 +150,12 @@ class NodePool:
     several), or a client of that one. Meets the Pool protocol; close() closes what it made."""
 
     def __init__(self, *, pool: MissPool | None = None, host: PoolHost | None = None,
-                 client: PoolClient | None = None, unshared: str = "") -> None:
+                 client: PoolClient | None = None, unshared: str = "",
+                 outbox: PhotoOutbox | None = None) -> None:
         self.pool, self.host, self.client = pool, host, client
         self.unshared = unshared  # why the pool is not served to the other API servers
+        self.outbox = outbox  # this API server's photos, read in place by the workers
+        self.photos_inline = 0  # photos sent in the job itself (the outbox was full)
 
     @property
     def waited(self) -> int:
@@ -174,15 +178,33 @@ class NodePool:
     def submit(self, key: str, job: Any) -> Future[Outcome]:
         return self.join(key, job)[0]
 
+    def send(self, key: str, job: dict[str, Any], photo: bytes
+             ) -> tuple[Future[Outcome], bool]:
+        """join, with the item's original bytes by shared memory: written once into this API
+        server's outbox, the job carrying their reference under "photo" (a full outbox: the
+        bytes themselves under "bytes"); the chunk is freed when the outcome comes."""
+        ref = None if self.outbox is None else self.outbox.put(photo)
+        if ref is None:
+            self.photos_inline += 1
+            return self.join(key, {**job, "bytes": photo})
+        try:
+            future, waited = self.join(key, {**job, "photo": ref})
+        except BaseException:
+            self.outbox.done(ref)  # type: ignore[union-attr]
+            raise
+        outbox = self.outbox
+        future.add_done_callback(lambda _: outbox.done(ref))  # type: ignore[union-attr]
+        return future, waited
+
     def stats(self) -> PoolStats | None:
         """The pool's stats, from the process that runs it (None elsewhere)."""
         return None if self.pool is None else self.pool.stats()
 
     def close(self) -> None:
-        for part in (self.client, self.host, self.pool):
+        for part in (self.client, self.host, self.pool, self.outbox):
             if part is not None:
                 part.close()
-        self.pool = self.host = self.client = None
+        self.pool = self.host = self.client = self.outbox = None
 
 
 def open_pool(d: Shape, writers: Writers, processor: Processor, *,
@@ -194,17 +216,37 @@ def open_pool(d: Shape, writers: Writers, processor: Processor, *,
     start."""
     if not d.pool_workers or d.shape == "relay":
         return None
-    if writers.local is None:
-        return NodePool(client=PoolClient(d.name))
-    pool = MissPool(d.name, processor, workers=d.pool_workers, env=env)
-    if d.api_servers == 1:
-        return NodePool(pool=pool)
+    outbox = _outbox(d.name)
     try:
-        return NodePool(pool=pool, host=PoolHost(pool, d.name, writers.local.epoch))
+        if writers.local is None:
+            return NodePool(client=PoolClient(d.name), outbox=outbox)
+        pool = MissPool(d.name, processor, workers=d.pool_workers, env=env)
+    except BaseException:
+        if outbox is not None:
+            outbox.close()
+        raise
+    if d.api_servers == 1:
+        return NodePool(pool=pool, outbox=outbox)
+    try:
+        return NodePool(pool=pool, host=PoolHost(pool, d.name, writers.local.epoch),
+                        outbox=outbox)
     except InvalidArgument as exc:  # its name is taken: this API server's pool only
         log.warning("shmstore: the miss pool is not shared with the other API servers (%s): "
                     "their new images take the engine's own path", exc)
-        return NodePool(pool=pool, unshared=str(exc))
+        return NodePool(pool=pool, unshared=str(exc), outbox=outbox)
     except BaseException:
         pool.close()
+        if outbox is not None:
+            outbox.close()
         raise
+
+
+def _outbox(name: str) -> PhotoOutbox | None:
+    """This API server's photo outbox; None where /dev/shm cannot hold one (photos then go in
+    the jobs themselves), logged."""
+    try:
+        return PhotoOutbox(name)
+    except ShmStoreError as exc:
+        log.warning("shmstore: no photo outbox for the miss pool (%s): photos go in its "
+                    "messages", exc)
+        return None

@@ -161,6 +161,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
 
     from shmstore.serving._deployment import NodePool
     from shmstore.serving._outcome import STORED
+    from shmstore.serving._photos import PhotoOutbox
     from shmstore.serving._pool import MissPool
     from shmstore.vllm._accel._pool import PoolSender
     from shmstore.vllm._accel._pool import processor as pool_processor
@@ -169,7 +170,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
     (first, second), _ = node
     renderer = types.SimpleNamespace(get_mm_processor=lambda: processor)
     missed = MissPool(first.segment, pool_processor(model_config), workers=1)
-    pool = PoolSender(NodePool(pool=missed))
+    pool = PoolSender(NodePool(pool=missed, outbox=PhotoOutbox(first.segment)))
     first.pool = second.pool = pool  # as each API server's sender holds its way in
     try:
         wait_for(lambda: missed.stats().ready == 1, 240, "the pool's worker")
@@ -201,6 +202,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
         assert (stats.submitted, stats.stored, stats.waited) == (2, 2, 0)
         assert pool.snapshot()["sent"] == pool.snapshot()["stored"] == 2
         assert first.store.stats().puts == 2
+        assert pool.node.photos_inline == 0  # each photo by shared memory
 
         assert before(jpeg(43), first, uuid="my-photo") == []  # named: processed where it is
         bad = jpeg(42, keep=0.5)

@@ -6,12 +6,13 @@ request reaches vLLM's one multimodal thread, so that there they are hits.
       media are loaded; its item hashes made as        processor for the model, built once
       vLLM's processor makes them; each lazy           process(job): vLLM's load_bytes of the
       image (a JPEG not decoded yet) that is           bytes (its decode, its errors), then the
-      not stored goes to the pool: its bytes,          processor's cached path on that one item
-      the request's kwargs, the record's               (the per-item path vLLM's cache takes
-      fingerprint; the request waits for them          for a missing item); the item's tensors
-      (bounded) and goes on to vLLM's thread,          and its prompt-update record are stored
-      where they are hits (no decode, no HF            under the hash vLLM's processor gave it,
-      processor); anything the pool did not            checked against the API server's
+      not stored goes to the pool: its bytes           processor's cached path on that one item
+      by shared memory (serving/_photos.py),           (the per-item path vLLM's cache takes
+      the request's kwargs, the record's               for a missing item); the item's tensors
+      fingerprint; the request waits for them          and its prompt-update record are stored
+      (bounded) and goes on to vLLM's thread,          under the hash vLLM's processor gave it,
+      where they are hits (no decode, no HF            checked against the API server's
+      processor); anything the pool did not
       store is processed there, as without it
 
 Only lazy images go to the pool: an image vLLM loaded eagerly (PNG, rotated or grey JPEG) was
@@ -33,6 +34,7 @@ from typing import Any
 
 from ...serving._deployment import NodePool
 from ...serving._outcome import Outcome, Processor
+from ...serving._photos import read_photo
 from .._env import LOG_NAME
 from .._items import item_to_value
 from .._vllm import (
@@ -70,9 +72,10 @@ class PoolSender:
         # there they are found stored, yet new (claim); oldest first, at most MAX_MADE
         self._made: OrderedDict[str, int] = OrderedDict()
 
-    def submit(self, key: str, job: Any) -> Future[Outcome]:
-        """Send one item's job to the node's pool; its outcome is counted when it comes."""
-        future, waited = self.node.join(key, job)
+    def submit(self, key: str, job: dict[str, Any], photo: bytes) -> Future[Outcome]:
+        """Send one item's job to the node's pool, its photo by shared memory (NodePool.send);
+        its outcome is counted when it comes."""
+        future, waited = self.node.send(key, job, photo)
         with self._lock:
             self.counts["sent"] += 1
             self.counts["waited"] += waited
@@ -133,11 +136,10 @@ class PoolSender:
                     or (i < len(named) and named[i] is not None)):
                 continue
             mode, io_kwargs = image.settings
-            job = {"key": key, "bytes": image.original_bytes, "mode": mode, "io": io_kwargs,
-                   "kwargs": dict(hf_kwargs), "media_io": dict(media_io_kwargs),
-                   "fingerprint": fp}
+            job = {"key": key, "mode": mode, "io": io_kwargs, "kwargs": dict(hf_kwargs),
+                   "media_io": dict(media_io_kwargs), "fingerprint": fp}
             try:
-                futures.append(self.submit(key, job))
+                futures.append(self.submit(key, job, image.original_bytes))
             except Exception as exc:  # kwargs msgpack cannot carry: processed where it is
                 log.debug("shmstore: item %s not sent to the pool (%s)", key, exc)
         return futures
@@ -199,7 +201,8 @@ def make_processor(model_config: Any) -> Callable[[dict[str, Any]], Any]:
     processor = build_processor(model_config)
 
     def process(job: dict[str, Any]) -> Any:
-        media = load_image(job["bytes"], job["mode"], job["io"])
+        data = read_photo(job["photo"]) if "photo" in job else job["bytes"]
+        media = load_image(data, job["mode"], job["io"])
         capture = _Capture()
         process_items(processor, [media], job["kwargs"], job["media_io"], capture)
         if len(capture.items) != 1:
