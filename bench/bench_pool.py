@@ -1,8 +1,10 @@
 """The miss pool alone (no engine): new 3 MP JPEG photos processed by vLLM's own path in one
 process (load_bytes, then the tiny LLaVA's processor on the item: what an API server's one
 multimodal thread does for a miss), against the pool (serving/_pool.py with vLLM's processor,
-vllm/_accel/_pool.py) with 1 and 2 workers storing straight into the store. Misses/s, and CPU
-per miss from /proc (the workers' and this process's), in interleaved rounds.
+vllm/_accel/_pool.py) with 1 and 2 workers storing straight into the store, each photo sent by
+shared memory (serving/_photos.py, as the API servers send it) and, for comparison, in the
+job's message. Misses/s, and CPU per miss from /proc (the workers' and this process's), in
+interleaved rounds.
 
     OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 16] [--megapixels 3] [--rounds 3]
                                                  [--model llava|llava_next] [--image-size 56]
@@ -63,13 +65,19 @@ def in_process(processor: Any, jobs: list[tuple[str, dict[str, Any]]]) -> tuple[
     return len(jobs) / wall, cpu / len(jobs)
 
 
-def pooled(pool: Any, store: Any, jobs: list[tuple[str, dict[str, Any]]]) -> tuple[float, float]:
+def pooled(pool: Any, store: Any, jobs: list[tuple[str, dict[str, Any]]],
+           node: Any = None) -> tuple[float, float]:
     """Every job submitted at once to a ready pool: (misses/s, CPU s per miss, workers and this
-    process together)."""
+    process together). With `node` (a NodePool with an outbox), each photo goes by shared
+    memory (serving/_photos.py), else in the job's message."""
     store.clear()
     pids = [os.getpid(), *pool.worker_pids()]
     cpu0, t0 = sum(cpu_s(p) for p in pids), time.perf_counter()
-    futures = [pool.submit(key, job) for key, job in jobs]
+    if node is None:
+        futures = [pool.submit(key, job) for key, job in jobs]
+    else:
+        futures = [node.send(key, {k: v for k, v in job.items() if k != "bytes"},
+                             job["bytes"])[0] for key, job in jobs]
     outcomes = [f.result(timeout=600) for f in futures]
     wall = time.perf_counter() - t0
     cpu = sum(cpu_s(p) for p in pids) - cpu0
@@ -90,7 +98,9 @@ def main() -> None:
 
     from bench.bench_serve import photo
     from shmstore import ObjectStore
+    from shmstore.serving._deployment import NodePool
     from shmstore.serving._outcome import Processor
+    from shmstore.serving._photos import PhotoOutbox
     from shmstore.serving._pool import MissPool
     from shmstore.store._host import WriterHost
     from shmstore.vllm._accel._pool import make_processor
@@ -116,20 +126,26 @@ def main() -> None:
                                              (config,)), workers=n,
                              max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"})
                  for n in (1, 2)}
+        outbox = PhotoOutbox(name)
+        nodes = {n: NodePool(pool=pool, outbox=outbox) for n, pool in pools.items()}
         try:
             for pool in pools.values():
                 while pool.stats().ready < pool.size:
                     time.sleep(0.1)
                 pooled(pool, store, jobs[:2])  # warm each worker
-            results: dict[str, list[tuple[float, float]]] = {"in process": [], "pool of 1": [],
-                                                              "pool of 2": []}
-            for _ in range(args.rounds):  # interleaved: the machine's noise falls on all three
+            results: dict[str, list[tuple[float, float]]] = {"in process": []}
+            for n in pools:
+                results[f"pool of {n}, shm"] = []
+                results[f"pool of {n}, msg"] = []
+            for _ in range(args.rounds):  # interleaved: the machine's noise falls on all
                 results["in process"].append(in_process(vllm_processor, jobs))
                 for n, pool in pools.items():
-                    results[f"pool of {n}"].append(pooled(pool, store, jobs))
+                    results[f"pool of {n}, shm"].append(pooled(pool, store, jobs, nodes[n]))
+                    results[f"pool of {n}, msg"].append(pooled(pool, store, jobs))
         finally:
             for pool in pools.values():
                 pool.close()
+            outbox.close()
             host.close()
             store.close()
     base_rate = statistics.median(r[0] for r in results["in process"])
@@ -137,16 +153,18 @@ def main() -> None:
     print(f"{args.photos} new {args.megapixels:g} MP JPEG photos, the tiny {args.model}'s "
           f"processor at {args.image_size} px, "
           f"{args.rounds} interleaved rounds (median, [min-max])")
-    print("path          misses/s            x in-process   CPU ms/miss        x in-process")
+    print("path (photo by shared memory / in the message)")
+    print("                   misses/s            x in-process   CPU ms/miss        x in-process")
     for label, runs in results.items():
         rates, cpus = [r[0] for r in runs], [1e3 * r[1] for r in runs]
         rate, cpu = statistics.median(rates), statistics.median(cpus)
-        print(f"{label:12s} {rate:6.1f} [{min(rates):5.1f}-{max(rates):5.1f}] "
+        print(f"{label:17s} {rate:6.1f} [{min(rates):5.1f}-{max(rates):5.1f}] "
               f"{rate / base_rate:8.2f}x      {cpu:6.1f} [{min(cpus):5.1f}-{max(cpus):5.1f}] "
               f"{cpu / (1e3 * base_cpu):8.2f}x")
-    two = statistics.median(r[0] for r in results["pool of 2"])
-    one = statistics.median(r[0] for r in results["pool of 1"])
-    print(f"pool of 2 / pool of 1: {two / one:.2f}x misses/s on {os.cpu_count()} cores")
+    for how in ("shm", "msg"):
+        two = statistics.median(r[0] for r in results[f"pool of 2, {how}"])
+        one = statistics.median(r[0] for r in results[f"pool of 1, {how}"])
+        print(f"pool of 2 / pool of 1 ({how}): {two / one:.2f}x misses/s on {os.cpu_count()} cores")
 
 
 def _hash(process: Any, data: bytes) -> str:
