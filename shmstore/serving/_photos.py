@@ -34,8 +34,8 @@ from ..shm._ring import CHUNK_SEQ, RingWriter, ShmRingBuffer
 
 __all__ = ["PhotoOutbox", "read_photo", "PHOTO_RING_BYTES", "check_photo_ref"]
 
-PHOTO_RING_BYTES = 256 << 20  # photos outstanding at once per API server (a 12 MP JPEG: ~5 MB);
-# reserved when the outbox is made, its pages taken as they fill
+PHOTO_RING_BYTES = 128 << 20  # photos outstanding at once per API server (a 12 MP JPEG: ~5 MB;
+# a pool of 8 holds at most 24 jobs); reserved in /dev/shm when the outbox is made
 MAX_ATTACHED = 16  # outboxes a worker keeps mapped (one per API server of the node)
 
 
