@@ -2,8 +2,9 @@
 loop, on one ring.
 
     _object_store.py ObjectStore.create / attach, StoreReader
-    _writer.py       StoreWriter: a facade over the parts below, which each own their state;
-                     Lender: chunks lent to another process (WriterHost's alone)
+    _writer.py       StoreWriter: a facade over the parts below, which each own their state
+    _guards.py       the writer's one guard mechanism: one_thread, hands_out
+    _lender.py       Lender: chunks lent to another process (WriterHost's alone)
     _index.py        the writer's records: Entry, by key and by chunk seq
     _space.py        where the next object goes: reclaim, copy forward, wait for readers;
                      what each reader owes, kept between scrapes (Scrape)

@@ -39,6 +39,7 @@ from .._proc import pid_alive
 from ..errors import InvalidArgument, ProtocolError, ShmStoreError, StaleHandle
 from ..local._service import SameUserServer, readable, service_address
 from ..shm._closeable import Closeable
+from ._lender import Lender
 from ._wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
@@ -49,7 +50,7 @@ from ._wire import (
     recv_frame,
     send_frame,
 )
-from ._writer import Lender, StoreWriter
+from ._writer import StoreWriter
 
 __all__ = ["WriterHost", "host_address"]
 

@@ -1,4 +1,4 @@
-"""StoreWriter: the single writer of an object store (see store/_object_store.py for the whole picture).
+"""StoreWriter: the single writer of an object store (store/_object_store.py has the picture).
 
 Delivery without locks: the writer records, in its own memory, each hand-out of an object (put
 once, then once per get_cached, minus give_back), numbered by a store-wide hand-out sequence.
@@ -12,25 +12,21 @@ Exception safety: an exception may surface between any two statements (a signal 
 raises, a KeyboardInterrupt). Every writer operation is written so that each prefix of it is a
 state the next operation accepts: a chunk the ring holds but no object owns is freed on the next
 reclaim; an entry marked not live is dropped from the index by the next lookup; a hand-out whose
-HandOut never reached the caller is taken back. That last rule has one mechanism: every call
-that hands out is a `hands_out` method (below), which holds the writer and takes back what the
-call handed out if anything raises before it returns. The writer never re-reads from shared memory what
-it wrote (chunk sizes, seqs, key digests live in its own records), so damaged shared bytes can
-mislead readers (who fail loudly) but not the writer; a damaged object that blocks the writer is
-dropped and counted (damaged_objects).
+HandOut never reached the caller is taken back: one mechanism, `hands_out` (store/_guards.py).
+The writer never re-reads from shared memory what it wrote (its own records hold chunk sizes,
+seqs, key digests): damaged shared bytes can mislead readers (who fail loudly), not the writer;
+a damaged object that blocks the writer is dropped and counted (damaged_objects).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -49,9 +45,9 @@ from ..serde._decode import peek
 from ..shm._closeable import CallGuard
 from ..shm._readers import Liveness
 from ..shm._ring import RingWriter
-from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline, checked_wait, wait_until
 from ._base import StoreBase, StoreStats
+from ._guards import Done, hands_out, one_thread
 from ._handouts import HandOuts, object_id
 from ._index import Entry, Index
 from ._layout import META_HANDOUT_SEQ, OBJECT_HEADER, ROW_CORRUPT_READS, U64
@@ -60,49 +56,16 @@ from ._policy import EvictionPolicy
 from ._space import Space
 from ._wire import MAX_PEEK_BYTES, check_field
 
-__all__ = ["StoreWriter", "Reservation", "Lender"]
+__all__ = ["StoreWriter", "Reservation"]
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-_Params = ParamSpec("_Params")
-_Result = TypeVar("_Result")
-Done = list[tuple[Entry, int]]  # the hand-outs a call made so far: taken back if it fails
+class BodySize(Protocol):
+    """What _begin needs of a body: an Encoded's, or a lent chunk's (store/_lender.py)."""
 
+    @property
+    def nbytes(self) -> int: ...
 
-def one_thread(method: _Method) -> _Method:
-    """A short writer call that refuses to start while another thread is inside the writer
-    (WrongThread); it does not hold the writer, so that its last statement stays its commit
-    point (an exception injected after it must not report undone what was done)."""
-    @functools.wraps(method)
-    def call(self: StoreWriter, *args: Any, **kwargs: Any) -> Any:
-        self._check_thread()
-        return method(self, *args, **kwargs)
-    return cast(_Method, call)
-
-def hands_out(method: Callable[Concatenate[StoreWriter, Done, _Params], _Result]
-              ) -> Callable[Concatenate[StoreWriter, _Params], _Result]:
-    """A writer call that hands out: it holds the writer (one thread at a time, close waits
-    for it) and gets a fresh `done` list that HandOuts.make fills; if an exception surfaces
-    anywhere before the call has returned (in it, in the guard's bookkeeping, from a signal
-    handler), every hand-out in `done` is taken back, so a HandOut the caller never got owes
-    no reader anything. The one mechanism of the writer's exception safety for hand-outs."""
-    def call(self: StoreWriter, /, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
-        done: Done = []
-        try:
-            self._guard_enter()
-            try:
-                return method(self, done, *args, **kwargs)
-            finally:
-                self._guard_leave()
-        except BaseException:
-            self._handouts.undo(done)
-            raise
-    functools.update_wrapper(call, method)
-    del call.__wrapped__  # type: ignore[attr-defined]
-    signature = inspect.signature(method)
-    params = list(signature.parameters.values())
-    call.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=[params[0], *params[2:]])  # without `done`: what callers pass
-    return call
+    @property
+    def structure_crc(self) -> int: ...
 
 
 class Reservation:
@@ -584,7 +547,7 @@ class StoreWriter(StoreBase):
         enc.write_into(self._writer_ring.payload(entry.chunk)[self._header_bytes:])
         return self._commit(entry, done)
 
-    def _begin(self, key: str | bytes, enc: Encoded | _Sized,
+    def _begin(self, key: str | bytes, enc: BodySize,
                wait: Deadline | float | None) -> Entry:
         """Room for `enc` and its header written; the entry is not live yet."""
         digest = key_digest(key)  # checks the key
@@ -631,78 +594,6 @@ class StoreWriter(StoreBase):
         if reservation is not None:
             reservation.handout = handout
         return handout
-
-
-class Lender:
-    """Chunks of one writer lent to another process, which writes an object's body straight
-    into shared memory (store/_host.py): `begin` makes room and writes the object header,
-    `commit` publishes the object, `abandon` gives the room back. Only a WriterHost holds
-    one, per client connection, and calls it with the host's lock held; close() gives back
-    what is still lent (the client went away)."""
-
-    def __init__(self, writer: StoreWriter) -> None:
-        self._writer = writer
-        self._loans: dict[int, Entry] = {}  # loan number (the chunk's seq) -> its entry
-
-    def __len__(self) -> int:
-        return len(self._loans)
-
-    def __contains__(self, loan: int) -> bool:
-        return loan in self._loans
-
-    def begin(self, key: str | bytes, nbytes: int, structure_crc: int) -> tuple[int, int]:
-        """Room for an object of `nbytes` serialized bytes (with `structure_crc`): (the loan's
-        number, the byte offset in the segment where its body goes).
-
-        Raises:
-            KeyExists, ObjectTooLarge, StoreFull: as put() with timeout 0.
-        """
-        w = self._writer
-        check_key(key)
-        with w._call():
-            entry = w._begin(key, _Sized(nbytes, structure_crc), 0)
-            self._loans[entry.chunk.seq] = entry  # first: close() finds whatever is reserved
-            entry.reserved = True  # another process writes into it: not reclaimable
-        return entry.chunk.seq, entry.chunk.address + ALIGN_BYTES + w._header_bytes
-
-    def commit(self, loan: int) -> tuple[str | bytes, HandOut]:
-        """Publish lent object `loan` once its body is written: index it and hand it out
-        once; (its key, the hand-out).
-
-        Raises:
-            KeyError: no such loan.
-            KeyExists: the key was put meanwhile (the room is given back).
-        """
-        entry = self._loans[loan]
-        try:
-            handout = self._writer._publish(entry)
-        except BaseException:
-            entry.reserved = False
-            self._loans.pop(loan, None)
-            raise
-        self._loans.pop(loan, None)  # committed: no longer reserved (close() may still see it)
-        return entry.key, handout
-
-    def abandon(self, loan: int) -> None:
-        """Give the room of `loan` back (KeyError: no such loan): an orphan chunk now, freed
-        when the ring reaches it."""
-        self._loans.pop(loan).reserved = False
-
-    def close(self) -> None:
-        """Give back every chunk still lent; idempotent."""
-        loans, self._loans = self._loans, {}
-        for entry in loans.values():
-            entry.reserved = False
-
-
-class _Sized:
-    """What _begin needs of an Encoded for a body written elsewhere."""
-
-    __slots__ = ("nbytes", "structure_crc")
-
-    def __init__(self, nbytes: int, structure_crc: int) -> None:
-        self.nbytes = nbytes
-        self.structure_crc = structure_crc
 
 
 if TYPE_CHECKING:  # mypy checks that StoreWriter meets the one writer interface
