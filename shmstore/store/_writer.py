@@ -2,20 +2,18 @@
 
 Delivery without locks: the writer records, in its own memory, each hand-out of an object (put
 once, then once per get_cached, minus give_back), numbered by a store-wide hand-out sequence.
-Each reader counts, in a word of the object's header that only it writes, how often it finished
-reading the object. The writer reclaims an object only when every reader that owes reads (see
-shm/_readers.py: NEVER rows owe everything, GONE rows nothing, a replacement only what was handed out
-after it attached) has read it as often as it was handed out to it, and no reader is inside it
-(pins, store/_layout.py).
+Each reader counts, in a word of the object's header only it writes, how often it finished
+reading it. The writer reclaims an object only once every reader that owes reads (shm/_readers.py:
+NEVER rows owe everything, GONE rows nothing, a replacement what was handed out after it
+attached) has read it as often as it was handed out to it, and no reader is inside it (pins).
 
 Exception safety: an exception may surface between any two statements (a signal handler that
-raises, a KeyboardInterrupt). Every writer operation is written so that each prefix of it is a
-state the next operation accepts: a chunk the ring holds but no object owns is freed on the next
-reclaim; an entry marked not live is dropped from the index by the next lookup; a hand-out whose
-HandOut never reached the caller is taken back: one mechanism, `hands_out` (store/_guards.py).
-The writer never re-reads from shared memory what it wrote (its own records hold chunk sizes,
-seqs, key digests): damaged shared bytes can mislead readers (who fail loudly), not the writer;
-a damaged object that blocks the writer is dropped and counted (damaged_objects).
+raises, a KeyboardInterrupt); each prefix of an operation is a state the next one accepts: a
+chunk no object owns is freed on the next reclaim; an entry marked not live is dropped by the
+next lookup; a hand-out whose HandOut never reached the caller is taken back (one mechanism,
+`hands_out`: store/_guards.py). The writer never re-reads what it wrote to shared memory:
+damaged shared bytes can mislead readers (who fail loudly), not the writer; a damaged object
+that blocks the writer is dropped and counted (damaged_objects).
 """
 
 from __future__ import annotations
