@@ -58,17 +58,31 @@ class Says(str, Enum):
 class Worker:
     """One worker process and the parent's end of its pipe; `key` is the one it works on."""
 
-    __slots__ = ("busy_since", "conn", "key", "outbox", "pid", "process", "ready", "started_at")
+    __slots__ = (
+        "_closing",
+        "_released",
+        "_sent_all",
+        "busy_since",
+        "conn",
+        "key",
+        "outbox",
+        "pid",
+        "process",
+        "ready",
+        "started_at",
+    )
 
     def __init__(self, process: Any, conn: Connection) -> None:
         self.process, self.pid, self.conn = process, process.pid, conn
         self.ready = False
         self.key: str | None = None
         self.started_at = self.busy_since = time.monotonic()
+        self._closing = threading.Lock()
+        self._released = self._sent_all = False
         # jobs go through a thread of their own: a worker that hangs (stopped, stuck in a
         # library) blocks that thread on a full pipe, never the dispatcher
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        threading.Thread(target=_send_jobs, args=(conn, self.outbox), daemon=True,
+        threading.Thread(target=_send_jobs, args=(self,), daemon=True,
                          name=f"shmstore-pool-send-{self.pid}").start()
 
     def overdue(self, now: float) -> str:
@@ -81,14 +95,34 @@ class Worker:
             return "died"
         return ""
 
+    def release(self) -> None:
+        """No job goes to this worker any more: its sender thread stops, and the pipe is
+        closed once that thread has stopped writing (now, or when it does): closed under a
+        write in progress, its descriptor could be reused by a replacement's new pipe and
+        receive the rest of this worker's job (the replacement then waits for ever on a
+        message that never ends). Idempotent."""
+        self.outbox.put(None)
+        with self._closing:
+            self._released = True
+            if self._sent_all:
+                self.conn.close()
 
-def _send_jobs(conn: Connection, outbox: queue.SimpleQueue[bytes | None]) -> None:
-    """Send a worker its jobs until told to stop (None) or its pipe closes (it died: the
-    dispatcher sees its sentinel)."""
-    # TypeError: the dispatcher closed the pipe while a send was under way (a killed worker)
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        while (frame := outbox.get()) is not None:
-            conn.send_bytes(frame)
+    def _sender_done(self) -> None:
+        with self._closing:
+            self._sent_all = True
+            if self._released:
+                self.conn.close()
+
+
+def _send_jobs(w: Worker) -> None:
+    """Send a worker its jobs until told to stop (None) or its pipe breaks (it died: the
+    dispatcher sees its sentinel); the pipe is closed after (Worker.release)."""
+    try:
+        with contextlib.suppress(OSError, ValueError):
+            while (frame := w.outbox.get()) is not None:
+                w.conn.send_bytes(frame)
+    finally:
+        w._sender_done()
 
 
 class Crew:
@@ -153,11 +187,11 @@ class Crew:
 
     @staticmethod
     def stop(workers: list[Worker]) -> None:
-        """Kill each of `workers` that still runs and reap it; close its pipe (its sender
-        thread ends). Not under the pool's lock: a worker in uninterruptible sleep costs at
+        """Kill each of `workers` that still runs and reap it; its pipe is released
+        (Worker.release). Not under the pool's lock: a worker in uninterruptible sleep costs at
         most STOP_TIMEOUT_S here, and never a submit."""
         for w in workers:
-            w.outbox.put(None)
+            w.release()
             with contextlib.suppress(OSError):
                 if w.process.exitcode is None:
                     w.process.kill()
@@ -169,7 +203,6 @@ class Crew:
                 time.sleep(REAP_POLL_S)
             with contextlib.suppress(ValueError):
                 w.process.close()
-            w.conn.close()
 
 
 # -- the worker process ---------------------------------------------------------------------------

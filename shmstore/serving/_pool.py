@@ -327,8 +327,7 @@ class MissPool:
         with self._lock:
             workers, self._crew.workers = self._crew.workers, []
         for w in workers:
-            w.outbox.put(None)
-            w.conn.close()  # the worker reads EOF and exits
+            w.release()  # the worker reads EOF and exits
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while (any(w.process.exitcode is None for w in workers)
                and time.monotonic() < deadline):

@@ -337,3 +337,25 @@ def test_a_job_a_worker_could_not_read_is_refused_where_it_is_submitted(name: st
             pool.submit("k", {"bytes": deep})
         assert outcome(pool, "k", {"bytes": b"ok"}) == STORED
         assert pool.worker_pids() == [pid] and pool.stats().restarts == 0
+
+
+def test_a_workers_pipe_is_closed_only_once_its_sender_stopped_writing() -> None:
+    """Closed under a send in progress, the pipe's descriptor could be reused by the
+    replacement's new pipe and get the rest of the dead worker's job (seen once in CI: the
+    replacement waited for ever on a message that never ended). release() leaves the close
+    to the sender thread until its send is over."""
+    import types
+
+    from shmstore.serving._crew import Worker
+
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    worker = Worker(types.SimpleNamespace(pid=0), ours)
+    try:
+        worker.outbox.put(b"x" * (4 * 1024 * KIB))  # more than the pipe holds: the send blocks
+        wait_for(lambda: theirs.poll(), READY_S, "the send to start")
+        worker.release()
+        assert not ours.closed  # the sender is still writing into it
+        assert len(theirs.recv_bytes()) == 4 * 1024 * KIB  # the send ends
+        wait_for(lambda: ours.closed, READY_S, "the sender to close the pipe")
+    finally:
+        theirs.close()
