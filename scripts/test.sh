@@ -10,4 +10,5 @@ scripts/check-native.sh -m "not slow"  # the C part: -Wall -Wextra -Werror, ASan
 scripts/docs.sh build
 # the engine-neutral core, with vLLM unimportable (as where it is not installed)
 SHMSTORE_TEST_WITHOUT_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/serving
+scripts/check-vllm-next.sh  # vLLM 0.33 (CUDA build only): the door and the item tests against it
 .venv/bin/python -m pytest --durations=25 "$@"  # the 25 slowest tests, listed at the end

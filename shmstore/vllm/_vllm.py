@@ -16,7 +16,8 @@ What the plugin takes from vLLM (0.32; 0.33 is the same in these places):
     prompt updates     ResolvedPromptUpdate, PromptUpdateDetails, PromptIndexTargets,
                        UpdateMode, and the code of the closures their factories make
     images             ImageMediaIO.load_bytes (made lazy for JPEGs), MediaWithBytes,
-                       open_image; MultiModalHasher for the request's processor kwargs
+                       open_image; MultiModalHasher for the request's processor kwargs;
+                       0.33's per-request decoded_budget (charge_decoded)
     environment        VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME (the segment's name, vLLM's own)
     workers            the world group's local rank
     command line       vLLM's own `vllm` command and its `serve` parser (for `shmstore serve`)
@@ -76,7 +77,7 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "bind_cache_factories", "install_hooks", "ResolvedPromptUpdate",
            "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
-           "open_image", "install_image_loader", "max_image_pixels", "run_cli",
+           "open_image", "install_image_loader", "max_image_pixels", "charge_decoded", "run_cli",
            "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "missing_hook_points", "request_id_of",
            "feature_data", "features_with_data", "new_requests", "resolve_new_request",
            "receiver_cache", "processor_inputs", "with_cache", "items_data", "renderer_cache",
@@ -320,6 +321,23 @@ _SUPPORTED = tuple(tuple(f.name for f in dataclasses.fields(cls))
 def records_supported() -> bool:
     """Whether this vLLM's resolved prompt updates have exactly the fields a record keeps."""
     return _SUPPORTED
+
+
+DECODED_BYTES_PER_PIXEL = 4  # what vLLM 0.33's load_bytes charges per pixel, whatever the mode
+
+
+def charge_decoded(media_io: Any, width: int, height: int) -> Any:
+    """Charge an image's decoded size to `media_io`'s per-request budget as vLLM 0.33's
+    load_bytes does before it decodes (width x height x 4, VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES;
+    its ValueError raised as it is), and return an ImageMediaIO that decodes the same way
+    without charging again. vLLM 0.32 has no budget: `media_io` itself comes back."""
+    budget = getattr(media_io, "decoded_budget", None)
+    if budget is None:
+        return media_io
+    budget.charge(width * height * DECODED_BYTES_PER_PIXEL)
+    uncharged = copy.copy(media_io)
+    uncharged.decoded_budget = None
+    return uncharged
 
 
 def max_image_pixels() -> int:

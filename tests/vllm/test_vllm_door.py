@@ -251,19 +251,21 @@ def test_another_vllm_version_makes_the_plugin_stand_aside(monkeypatch) -> None:
     pytest.importorskip("vllm")
     from shmstore.vllm import _deployment
 
+    monkeypatch.delenv("SHMSTORE_VLLM_TRY_VERSION", raising=False)
     assert _deployment.vllm_refusal() is None  # the version this suite runs
     monkeypatch.setattr(_deployment, "installed_vllm", lambda: "0.34.0")
     said = _deployment.vllm_refusal()
     assert said is not None and "vLLM 0.34.0 is not a version it knows" in said
-    assert "(it serves 0.32.x)" in said and "SHMSTORE_VLLM_TRY_VERSION=1" in said
-    monkeypatch.setattr(_deployment, "installed_vllm", lambda: "0.33.0")  # known, not served
-    said = _deployment.vllm_refusal()
-    assert said is not None and "decoded-media budget" in said
+    assert "(it serves 0.32.x, 0.33.x)" in said and "SHMSTORE_VLLM_TRY_VERSION=1" in said
+    monkeypatch.setattr(_deployment, "PENDING_VLLM", {"0.34": "its new budget is not kept"})
+    said = _deployment.vllm_refusal()  # a release known and not served yet says why
+    assert said is not None and "vLLM 0.34.0 is known but not served yet: its new budget" in said
     monkeypatch.setenv("SHMSTORE_VLLM_TRY_VERSION", "1")
     assert _deployment.vllm_refusal() is None  # tried on purpose: the door's checks pass
-    monkeypatch.setattr(_deployment, "installed_vllm", lambda: "0.32.7")
     monkeypatch.delenv("SHMSTORE_VLLM_TRY_VERSION")
-    assert _deployment.vllm_refusal() is None
+    for served in ("0.32.7", "0.33.0"):
+        monkeypatch.setattr(_deployment, "installed_vllm", lambda v=served: v)
+        assert _deployment.vllm_refusal() is None
 
 
 def test_a_vllm_without_a_name_the_door_uses_makes_the_plugin_stand_aside(monkeypatch) -> None:
@@ -297,3 +299,28 @@ def test_register_stands_aside_in_one_line_and_leaves_vllms_cache() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if "shmstore" in line]
     assert len(lines) == 1 and "stands aside" in lines[0] and "vLLM 0.31.2" in lines[0], lines
+
+
+def test_the_vllm_under_test_is_the_one_asked_for() -> None:
+    """scripts/check-vllm-next.sh runs these tests against another vLLM release: they must see
+    that release, not the CPU build installed in .venv."""
+    import os
+
+    wanted = os.environ.get("SHMSTORE_TEST_VLLM_VERSION")
+    if not wanted:
+        pytest.skip("no other vLLM release asked for (scripts/check-vllm-next.sh sets one)")
+    import vllm
+
+    from shmstore.vllm import _deployment
+
+    assert vllm.__version__ == _deployment.installed_vllm() == wanted
+
+
+def test_the_shm_type_has_no_engine_cache_that_could_report_drift(monkeypatch) -> None:
+    """vLLM (0.33) invalidates a sender's item only for a drift its engine's own receiver cache
+    reports; with the `shm` type there is none, so invalidation is never reached."""
+    pytest.importorskip("vllm")
+    from vllm.multimodal.cache import factories
+
+    monkeypatch.setattr(factories, "_get_cache_type", lambda vllm_config: "shm")
+    assert factories.engine_receiver_cache_from_config(None) is None

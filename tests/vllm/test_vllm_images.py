@@ -129,6 +129,55 @@ def test_data_urls_and_files_load_lazily_through_vllms_connector(
         assert np.array_equal(np.asarray(media.media), np.asarray(EAGER(ImageMediaIO(), data).media))
 
 
+def budget_run(load: Any, urls: list[str]) -> tuple[Any, ...]:
+    """Load one request's images through vLLM's connector with its per-request decoded-media
+    budget (vLLM 0.33): which loaded, the refusal (vLLM's ValueError), the bytes charged, and
+    the charge once every loaded image was decoded (a miss is; a hit never is)."""
+    from vllm.multimodal.media.base import MediaDecodedBudget
+
+    budget = MediaDecodedBudget()
+    connector = MediaConnector(decoded_budget=budget)
+    loaded, refusal = [], None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ImageMediaIO, "load_bytes", load)
+        for url in urls:
+            try:
+                loaded.append(connector.fetch_image(url))
+            except ValueError as exc:
+                refusal = str(exc)
+                break
+        charged = budget.used
+        for media in loaded:
+            if isinstance(media, LazyImage):
+                media.realize()
+    pixels = [np.asarray(media.media).tobytes() for media in loaded]
+    return len(loaded), refusal, charged, budget.used, pixels
+
+
+@pytest.mark.skipif("decoded_budget" not in ImageMediaIO.__init__.__code__.co_varnames,
+                    reason="this vLLM has no per-request decoded-media budget (0.33 has)")
+@pytest.mark.parametrize("limit_images", [2.5, 3.0, 3.0 - 1e-6, 0.5, 10.0])
+def test_lazy_images_are_charged_to_vllms_media_budget_as_vllm_charges_them(
+        monkeypatch: pytest.MonkeyPatch, limit_images: float) -> None:
+    import vllm.envs as envs
+
+    size = (1024, 768)
+    photos = [("jpeg", encoded(size=size, seed=1)), ("png", encoded("PNG", size=size, seed=2)),
+              ("jpeg", encoded(size=size, seed=3))]  # lazy, vLLM's own path, lazy
+    urls = [f"data:image/{kind};base64," + base64.b64encode(data).decode()
+            for kind, data in photos]
+    limit = int(limit_images * size[0] * size[1] * 4)
+    monkeypatch.setattr(envs, "VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES", limit, raising=False)
+    monkeypatch.setenv("VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES", str(limit))
+    lazy, eager = budget_run(LAZY, urls), budget_run(EAGER, urls)
+    assert lazy == eager  # refused at the same image, with vLLM's words, the same bytes charged
+    count, refusal, charged, after_decode, _ = lazy
+    assert count == min(3, int(limit_images + 1e-9))
+    assert (refusal is None) == (count == 3)
+    assert refusal is None or "VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES" in refusal
+    assert charged == after_decode == count * size[0] * size[1] * 4  # a decode charges nothing more
+
+
 def items(*media: Any) -> dict[str, Any]:
     """vLLM's MultiModalDataItems as the hooks see them: modality -> items with .data."""
     return {"image": SimpleNamespace(data=list(media)), "audio": SimpleNamespace(data=None)}

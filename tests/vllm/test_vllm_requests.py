@@ -130,6 +130,41 @@ def test_a_preempted_request_read_again_counts_once(small: Any) -> None:
     assert sender.store.unread(handle) == (0,)
 
 
+def test_model_runner_v2_neither_frees_nor_replays_a_handle_item(small: Any) -> None:
+    """vLLM 0.33's scheduler, with Model Runner V2, frees a worker's encoder inputs once they
+    are computed and sends them again when a running request rewinds, except items with an
+    "address" (shm descriptors). A handle item has one: the worker keeps the owned copy it read
+    at install for the request's life, so a rewind re-encodes from it; a reinstall (resume)
+    reads the hand-out again, counted once."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    updates_of = getattr(Scheduler, "_get_encoder_input_updates", None)
+    if updates_of is None:
+        pytest.skip("this vLLM's scheduler neither frees nor replays encoder inputs (0.33's does)")
+    sender, receiver = small
+    out, _ = sender.get_and_update_item((image_item(1), []), "img")
+    plain = image_item(2)
+    features = [MultiModalFeatureSpec(data=plain, modality="image", identifier="plain",
+                                      mm_position=PlaceholderRange(offset=0, length=4),
+                                      mm_hash="plain"), feature(out, "img")]
+    request = SimpleNamespace(mm_features=features, num_computed_tokens=0,
+                              num_output_placeholders=0, num_in_flight_tokens=0)
+    scheduler = SimpleNamespace(use_v2_model_runner=True, _pending_encoder_input_ids={},
+                                requests={"r": request}, is_encoder_decoder=False)
+    installed = [SimpleNamespace(req_id="r", mm_features=features)]
+    assert updates_of(scheduler, {"r": 16}, installed, {"r": [0, 1]}) == {}
+    request.num_computed_tokens = 16  # both encoded: vLLM's data freed, the handle item kept
+    assert updates_of(scheduler, {"r": 1}, [], {}) == {"r": {0: None}}
+    request.num_computed_tokens = 0  # rewound: vLLM's data sent again, the handle item not
+    assert updates_of(scheduler, {"r": 16}, [], {"r": [0, 1]}) == {"r": {0: plain}}
+    for _ in range(2):  # reinstalled (resumed): read again, served, counted once
+        got = receiver.features_of_request("r", [feature(out, "img")])
+        assert same_item(got[0].data, image_item(1))
+    assert sender.store.unread(sender.store.handle_of("img")) == (0,)
+
+
 def test_samples_of_one_request_each_get_a_hand_out(small: Any) -> None:
     sender, receiver = small
     out, _ = sender.get_and_update_item((image_item(2), []), "img")

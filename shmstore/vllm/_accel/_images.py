@@ -13,6 +13,9 @@ the errors ("Failed to load image: ...", a 400 for the client) and the mode are 
 Anything else (PNG, a rotated or grey JPEG, bytes whose header does not open) takes vLLM's
 own path at once. Code outside the processor that reads a lazy image's pixels gets PIL's
 decode of the same bytes on first use: the same pixels (nothing converts or rotates them).
+vLLM 0.33 charges each image's decoded size (width x height x 4, from the header) to the
+request's budget before decoding: a lazy image is charged the same, when it is loaded, hit,
+pool item or miss alike, and its later decode is not charged again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from .._vllm import (
     MediaWithBytes,
+    charge_decoded,
     install_image_loader,
     io_settings,
     items_data,
@@ -66,8 +70,9 @@ def lazy_loader(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes],
         header = _header(data)
         if header is None or not _needs_no_conversion(header, self.image_mode):
             return original(self, data)
+        decoder = charge_decoded(self, *header.size)  # 0.33's budget, charged now as vLLM does
         media = LazyImage(header, data, None)
-        media.__dict__["_decode"] = functools.partial(original, self, data)
+        media.__dict__["_decode"] = functools.partial(original, decoder, data)
         media.__dict__["_settings"] = io_settings(self)
         return media
     return load_bytes
