@@ -12,6 +12,7 @@ request:
                                    too (n > 1 samples) gets a hand-out of its own for it
     InputProcessor.process_inputs  raised: the request never reaches the engine; its hand-outs
       raised                       are given back at once ("refused")
+    engine refused it on arrival   (a paused engine; vLLM 0.33) the same: nothing ran
     request finished or aborted    its hand-outs end; once `settle_s` has passed (the engine
                                    has seen the abort and finished any step that read them)
                                    they are over, and the store is told (end_handouts): an
@@ -250,12 +251,26 @@ class RequestLedger:
                 rec = self._handouts.get(number)
                 if rec is None or rec.live_requests or rec.ended_s is not None:
                     continue  # claimed by a request that did reach the engine
-                del self._handouts[number]
-                try:
-                    self._store.give_back(rec.handle, number)
-                except StaleHandle:
-                    continue  # withdrawn or cleared meanwhile
-                self.settled["refused"] += 1
+                self._give_back(number, rec)
+
+    def request_refused(self, request_id: str) -> None:
+        """The engine refused `request_id` on arrival (a paused engine): it ran nothing, so no
+        worker reads its hand-outs; they are given back now, as `refused`."""
+        with self.lock:
+            for number in self._requests.pop(request_id, ()):
+                rec = self._handouts.get(number)
+                if rec is not None:
+                    rec.live_requests -= 1  # each request holds hand-outs of its own
+                    if not rec.live_requests:
+                        self._give_back(number, rec)
+
+    def _give_back(self, number: int, rec: _Handout) -> None:
+        del self._handouts[number]
+        try:
+            self._store.give_back(rec.handle, number)
+        except StaleHandle:
+            return  # withdrawn or cleared meanwhile
+        self.settled["refused"] += 1
 
     def routed(self, request_id: str, readers: Sequence[int]) -> None:
         """`request_id` goes to the engine whose workers are `readers`: its hand-outs are owed

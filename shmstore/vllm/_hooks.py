@@ -22,6 +22,7 @@ from ._vllm import (
     new_requests,
     processor_inputs,
     receiver_cache,
+    refused_on_arrival,
     renderer_cache,
     request_id_of,
     resolve_new_request,
@@ -91,6 +92,18 @@ def finish_request(original: Any) -> Any:
             _tell(f"request {rid} finished",
                   functools.partial(ledger.request_ended, rid, aborted=False))
         return result
+    return wrapper
+
+
+def process_outputs(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # before vLLM ends them through _finish_request, which would count them as finished
+        for rid in refused_on_arrival(engine_core_outputs):
+            for ledger in _ledgers():
+                _tell(f"request {rid} was refused on arrival",
+                      functools.partial(ledger.request_refused, rid))
+        return original(self, engine_core_outputs, *args, **kwargs)
     return wrapper
 
 
@@ -226,6 +239,7 @@ HOOKS: dict[str, Callable[[Any], Any]] = {
     "add_request": add_request, "engine_for_request": engine_for_request,
     "render_async": render_async, "process_tokens_async": process_tokens_async,
     "finish_request": finish_request, "abort_requests": abort_requests,
+    "process_outputs": process_outputs,
     "process_inputs": process_inputs, "apply_mm_cache": apply_mm_cache,
     "cached_apply": cached_apply, "missing_items": missing_items,
     "uncached_apply": uncached_apply,

@@ -77,7 +77,8 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "bind_cache_factories", "install_hooks", "ResolvedPromptUpdate",
            "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
-           "open_image", "install_image_loader", "max_image_pixels", "charge_decoded", "run_cli",
+           "open_image", "install_image_loader", "max_image_pixels", "charge_decoded",
+           "refused_on_arrival", "run_cli",
            "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "missing_hook_points", "request_id_of",
            "feature_data", "features_with_data", "new_requests", "resolve_new_request",
            "receiver_cache", "processor_inputs", "with_cache", "items_data", "renderer_cache",
@@ -101,6 +102,8 @@ HOOK_POINTS = (
     ("vllm.renderers.base", "BaseRenderer", "render_cmpl_async", "render_async"),
     ("vllm.renderers.base", "BaseRenderer", "_process_tokens_async", "process_tokens_async"),
     ("vllm.v1.engine.output_processor", "OutputProcessor", "_finish_request", "finish_request"),
+    # 0.33: an engine's outputs say which requests it refused on arrival (a paused engine)
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs", "process_outputs"),
     ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", "abort_requests"),
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs", "process_inputs"),
     ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "_apply_mm_cache", "apply_mm_cache"),
@@ -175,6 +178,13 @@ def missing_shapes() -> list[str]:
 def request_id_of(request: Any) -> str:
     """An EngineCoreRequest's or a RequestState's id."""
     return str(request.request_id)
+
+
+def refused_on_arrival(engine_core_outputs: Any) -> list[str]:
+    """The ids of the requests an engine's outputs say it refused on arrival, having run
+    nothing (vLLM 0.33's EngineCoreOutput.error; 0.32's outputs have none)."""
+    return [str(out.request_id) for out in engine_core_outputs or ()
+            if getattr(out, "error", None) is not None]
 
 
 def feature_data(request: Any) -> list[Any]:

@@ -399,7 +399,7 @@ def test_register_wraps_every_request_hook_once() -> None:
 
     vllm_plugin.register()
     hooked = {("vllm.v1.engine.output_processor", "OutputProcessor"):
-              ("add_request", "_finish_request", "abort_requests"),
+              ("add_request", "_finish_request", "abort_requests", "process_outputs"),
               ("vllm.v1.engine.core_client", "DPAsyncMPClient"): ("get_core_engine_for_request",),
               ("vllm.v1.engine.core_client", "DPLBAsyncMPClient"): ("get_core_engine_for_request",),
               ("vllm.renderers.base", "BaseRenderer"):

@@ -86,6 +86,38 @@ def test_a_refused_request_gives_its_hand_outs_back_at_once(small: Any) -> None:
     assert sender.ledger.settled["refused"] == 1 and sender.store.stats().withdrawn == 0
 
 
+def test_a_request_the_engine_refuses_on_arrival_gives_its_hand_outs_back_as_refused(
+        small: Any) -> None:
+    """vLLM 0.33: a paused engine refuses a request it was sent; the output says so (its
+    `error`) and vLLM ends it through _finish_request, as a finished one. Its hand-outs are
+    given back at once and counted as refused; a finished request beside it is not."""
+    from types import SimpleNamespace
+
+    from shmstore.vllm import _hooks
+
+    sender, receiver = small
+    refused, done = wedge(sender, "refused"), wedge(sender, "done")
+    sender.ledger.request_added("paused", [handout_number(refused)])
+    sender.ledger.request_added("done", [handout_number(done)])
+    receiver.features_of_request("done", [feature(done, "done")])
+    finish = _hooks.wrappers()["finish_request"](lambda self, state: None)
+
+    def process_outputs(self: Any, outputs: list[Any]) -> str:  # as vLLM ends them
+        for out in outputs:
+            finish(self, SimpleNamespace(request_id=out.request_id))
+        return "processed"
+
+    wrapped = _hooks.wrappers()["process_outputs"](process_outputs)
+    outputs = [SimpleNamespace(request_id="paused", error=SimpleNamespace(code="paused")),
+               SimpleNamespace(request_id="done", error=None)]
+    assert wrapped(None, outputs) == "processed"
+    assert sender.ledger.settled["refused"] == 1 and sender.ledger.live_requests == 0
+    assert sender.store.unread(sender.store.handle_of("refused")) == (0,)  # given back now
+    time.sleep(2 * SETTLE_S)
+    assert all(send(sender, receiver, f"k{i}", f"r{i}") for i in range(12))  # never inline
+    assert sender.ledger.settled["refused"] == 1 and sender.store.stats().withdrawn == 0
+
+
 @pytest.mark.parametrize("claimed", [True, False])
 def test_an_ended_or_unclaimed_hand_out_is_withdrawn_once_the_store_is_full(
         small: Any, claimed: bool) -> None:
@@ -227,7 +259,7 @@ def test_malformed_hand_out_numbers_are_not_numbers() -> None:
 
 
 @pytest.mark.parametrize("hook", ["add_request", "finish_request", "abort_requests",
-                                  "engine_for_request"])
+                                  "engine_for_request", "process_outputs"])
 def test_a_ledger_that_fails_after_vllm_acted_never_raises_into_vllm(hook: str, caplog) -> None:
     """API server 0 (the store's writer) gone: telling the ledger fails, but vLLM's method has
     run already; the request must not be stranded by an exception from the hook."""
@@ -249,7 +281,9 @@ def test_a_ledger_that_fails_after_vllm_acted_never_raises_into_vllm(hook: str, 
     calls = {"add_request": ((None, request), "added"),
              "finish_request": ((None, request), "finished"),
              "abort_requests": ((None,), ["r1"]),
-             "engine_for_request": ((None, request), b"\x01\x00")}
+             "engine_for_request": ((None, request), b"\x01\x00"),
+             "process_outputs": ((None, [SimpleNamespace(request_id="r1", error="paused")]),
+                                 "processed")}
     args, result = calls[hook]
     wrapped = _hooks.wrappers()[hook](lambda *a, **k: result)
     _hooks.SENDERS.append(fake)
