@@ -14,11 +14,15 @@ import pytest
 from shmstore._proc import pid_alive
 from shmstore.shm._segment import MAGIC, SEGMENT_HEADER, SHM_DIR
 
-# A shell starts a command it runs in the background with SIGINT ignored, and every process
-# the command starts inherits that: the tests that stop a program with Ctrl-C would see it
-# carry on. A handler of our own is reset to the default in each program they start.
+# A shell starts a command it runs in the background with SIGINT ignored (nohup: SIGHUP), and
+# every process the command starts inherits that: the tests that stop a program with Ctrl-C
+# would see it carry on. A handler of our own is reset to the default in each program they
+# start.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise SIGHUP under nohup: the programs the tests kill with it must die of it
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # SHMSTORE_TEST_WITHOUT_VLLM=1: vLLM cannot be imported in this run, as where it is not
 # installed (CI runs the engine-neutral core's tests so: tests/serving)

@@ -89,6 +89,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             node = open_pool(d, self._writers, pool_processor(d.model_config),
                              env={"OMP_NUM_THREADS": "1"})
             self.pool = None if node is None else PoolSender(node)
+        if self.pool is None and d.api_servers == 1:
+            self.accel.decode_new_photos_at_once()
         self._unregister_metrics = export_metrics(self)
         SENDERS.append(self)
         log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "

@@ -215,3 +215,45 @@ def test_the_processor_hooks_decode_the_misses_and_count_the_rest() -> None:
     broken = LAZY(ImageMediaIO(), CASES["truncated-jpeg"])
     with pytest.raises(ValueError, match="Failed to load image"):
         step(None, view, items(broken), {"image": ["broken"]})
+
+
+def test_a_photo_is_seen_once_whatever_the_threads() -> None:
+    """The guess of which photos are new (first sight) is thread-safe and bounded."""
+    import threading
+
+    from shmstore.vllm._accel._images import SeenPhotos
+
+    seen = SeenPhotos(capacity=2)
+    photos = [encoded(seed=s) for s in range(3)]
+    firsts: list[bool] = []
+    gate = threading.Barrier(8)
+
+    def look() -> None:
+        gate.wait()
+        firsts.append(seen.first_sight(photos[0]))
+
+    threads = [threading.Thread(target=look) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(firsts) == [False] * 7 + [True]
+    assert seen.first_sight(photos[1]) and seen.first_sight(photos[2])  # photos[0] forgotten
+    assert seen.first_sight(photos[0]) and not seen.first_sight(photos[2])
+    assert seen.first_sight(photos[0][:-1] + b"\x00")  # one byte at the end differs: new
+
+
+def test_new_photos_decode_at_once_only_while_a_sender_wants_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmstore.vllm._accel import _images
+
+    monkeypatch.setattr(_images, "_SEEN", _images.SeenPhotos())
+    data = encoded(seed=50)
+    _images.decode_new_at_once(True)
+    try:
+        first, again = LAZY(ImageMediaIO(), data), LAZY(ImageMediaIO(), data)
+    finally:
+        _images.decode_new_at_once(False)
+    assert not isinstance(first, LazyImage) and isinstance(again, LazyImage)
+    assert outcome(LAZY, data) == outcome(EAGER, data)
+    assert isinstance(LAZY(ImageMediaIO(), encoded(seed=51)), LazyImage)  # no one wants it

@@ -215,3 +215,31 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
     finally:
         first.pool = second.pool = None
         pool.close()
+
+
+def test_one_api_server_without_a_pool_decodes_a_new_photo_as_it_comes(
+        processor: Any, name: str, counted: list[int]) -> None:
+    """One API server and no miss pool: a photo it has not loaded is new, decoded by vLLM's
+    own load as it comes (on vLLM's media threads, not later on its multimodal thread); the
+    same photo again is a hit, lazy and never decoded. With two API servers (above) every
+    JPEG stays lazy: a photo new here may be another API server's hit."""
+    from shmstore.vllm._accel import _images
+    from shmstore.vllm._sender import ShmstoreSenderCache
+
+    sender = ShmstoreSenderCache(shared.config(name, cache_mb=shared.cache_mb(), world_size=1))
+    try:
+        assert sender.pool is None and sender.accel.new_at_once
+        for seed in range(3):
+            data = jpeg(40 + seed)
+            ids, places, _, _ = run(processor, data, None, counted)  # vLLM alone
+            new = run(processor, data, sender, counted)
+            assert new[:2] == (ids, places) and new[3] == 1
+            assert not isinstance(new[2], LazyImage)  # decoded as it came, as vLLM decodes
+            hit = run(processor, data, sender, counted)
+            assert hit[:2] == (ids, places) and hit[3] == 0
+            assert isinstance(hit[2], LazyImage) and not hit[2].realized  # never decoded
+        assert sender.accel.skipped == {"decode": 3, "processor": 0}
+        assert sender.store.stats().puts == 3
+    finally:
+        sender.close()
+    assert _images._NEW_AT_ONCE == [0]  # closed: the next sender decides afresh

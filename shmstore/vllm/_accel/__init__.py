@@ -26,7 +26,16 @@ from typing import Any
 
 from .._env import LOG_NAME
 from .._vllm import kwargs_digest
-from ._images import LazyImage, install, pending, realize, realize_misses, release, unrealized
+from ._images import (
+    LazyImage,
+    decode_new_at_once,
+    install,
+    pending,
+    realize,
+    realize_misses,
+    release,
+    unrealized,
+)
 from ._records import FINGERPRINT_BYTES, RECORD_FIELD, RecordRefused, read, write
 
 __all__ = ["Acceleration", "LazyImage", "RECORD_FIELD", "REFUSALS", "pending", "realize",
@@ -47,6 +56,7 @@ class Acceleration:
                  lock: threading.Lock | threading.RLock) -> None:
         self.on = on
         self.lazy_images = on and install()  # False where this vLLM's loader cannot be hooked
+        self.new_at_once = False  # photos this process has not loaded decoded as they come
         self._identity, self._vocab_size, self._lock = processor_identity, vocab_size, lock
         self.skipped = dict.fromkeys(("decode", "processor"), 0)
         self.refused = dict.fromkeys(REFUSALS, 0)
@@ -88,8 +98,19 @@ class Acceleration:
             self.skipped["processor"] += 1
         return updates
 
+    def decode_new_photos_at_once(self) -> None:
+        """No miss pool, and one API server: a photo this process has not loaded is new (this
+        server stores every photo of the store), decoded as it comes on vLLM's media threads,
+        not later on its one multimodal thread; photos loaded before stay lazy."""
+        if self.lazy_images and not self.new_at_once:
+            self.new_at_once = True
+            decode_new_at_once(True)
+
     def close(self) -> None:
         """The sender closes: its lazy loading ends (vLLM's own, once no sender wants it)."""
+        if self.new_at_once:
+            self.new_at_once = False
+            decode_new_at_once(False)
         if self.lazy_images:
             self.lazy_images = False
             release()

@@ -13,6 +13,11 @@ the errors ("Failed to load image: ...", a 400 for the client) and the mode are 
 Anything else (PNG, a rotated or grey JPEG, bytes whose header does not open) takes vLLM's
 own path at once. Code outside the processor that reads a lazy image's pixels gets PIL's
 decode of the same bytes on first use: the same pixels (nothing converts or rotates them).
+Without a miss pool, and with one API server (whose store holds only what it stored), a JPEG
+this process has not loaded before is new: it is decoded at once by vLLM's own load_bytes,
+where vLLM decodes it (its media threads), so new photos do not queue their decodes on the one
+multimodal thread; a JPEG it has loaded before stays lazy (`decode_new_at_once`). A photo
+seen before but evicted since is decoded lazily on a miss, as every photo is otherwise.
 vLLM 0.33 charges each image's decoded size (width x height x 4, from the header) to the
 request's budget before decoding: a lazy image is charged the same, when it is loaded, hit,
 pool item or miss alike, and its later decode is not charged again.
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import io
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,10 +43,44 @@ from .._vllm import (
 )
 
 __all__ = ["LazyImage", "lazy_loader", "install", "release", "realize", "unrealized",
-           "pending", "realize_misses"]
+           "pending", "realize_misses", "decode_new_at_once", "SeenPhotos"]
 
 ORIENTATION = 0x0112  # the EXIF tag vLLM's exif_transpose acts on (values 2..8 rotate)
 _WANTED = [0]  # this process's senders that want images lazy (install/release)
+_NEW_AT_ONCE = [0]  # of those, the ones that want a photo not seen before decoded at once
+SEEN_PHOTOS = 1 << 16  # photos remembered as seen (about 100 bytes each)
+SAMPLE_BYTES = 4096  # a photo is known by its size and its first and last bytes
+
+
+class SeenPhotos:
+    """The photos this process has loaded, by their size and first and last bytes (a guess
+    of which are stored, never used to read anything: a wrong guess only moves a decode)."""
+
+    def __init__(self, capacity: int = SEEN_PHOTOS) -> None:
+        self._capacity = capacity
+        self._seen: OrderedDict[tuple[int, int, int], None] = OrderedDict()
+        self._lock = threading.Lock()  # vLLM loads media on several threads
+
+    def first_sight(self, data: bytes) -> bool:
+        """Whether `data` was not seen before (it is remembered from now on)."""
+        mark = (len(data), hash(data[:SAMPLE_BYTES]), hash(data[-SAMPLE_BYTES:]))
+        with self._lock:
+            if mark in self._seen:
+                self._seen.move_to_end(mark)
+                return False
+            self._seen[mark] = None
+            if len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+            return True
+
+
+_SEEN = SeenPhotos()
+
+
+def decode_new_at_once(on: bool) -> None:
+    """One sender of this process wants (on) or no longer wants (off) a photo this process has
+    not loaded before decoded at once (counted, as install/release)."""
+    _NEW_AT_ONCE[0] = max(0, _NEW_AT_ONCE[0] + (1 if on else -1))
 
 
 class LazyImage(MediaWithBytes):  # type: ignore[misc]
@@ -70,6 +111,8 @@ def lazy_loader(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes],
         header = _header(data)
         if header is None or not _needs_no_conversion(header, self.image_mode):
             return original(self, data)
+        if _NEW_AT_ONCE[0] and _SEEN.first_sight(data):
+            return original(self, data)  # new: decoded here, as vLLM decodes it
         decoder = charge_decoded(self, *header.size)  # 0.33's budget, charged now as vLLM does
         media = LazyImage(header, data, None)
         media.__dict__["_decode"] = functools.partial(original, decoder, data)
