@@ -12,12 +12,13 @@ scripts/docs.sh build
 SHMSTORE_TEST_WITHOUT_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/serving
 scripts/check-vllm-next.sh  # vLLM 0.33 (CUDA build only): the door and the item tests against it
 # the tests that start no server, on two processes (most wait on processes they start); then
-# those that start vLLM, a server or a relay, one at a time (each server wants the machine).
+# those that start vLLM, a server or a relay (each server wants the machine) and those that
+# look at all of /dev/shm (marked alone), one at a time.
 # A selection (arguments) that leaves one of the two runs empty is not a failure (status 5).
 pytest_run() {
   local status=0
   .venv/bin/python -m pytest "$@" || status=$?
   if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
 }
-pytest_run -n 2 -m "not serving" --durations=15 "$@"
-pytest_run -m serving --durations=10 "$@"
+pytest_run -n 2 -m "not serving and not alone" --durations=15 "$@"
+pytest_run -m "serving or alone" --durations=10 "$@"

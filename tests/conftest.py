@@ -35,6 +35,10 @@ SESSION_START_NS = time.time_ns()
 # One token per test session, inherited by the processes it spawns: the leak check below only
 # ever removes this session's segments, never those of a run beside it.
 SESSION = os.environ.setdefault("SHMSTORE_TEST_SESSION", secrets.token_hex(3))
+# A writer's first create removes every dead writer's segments (the sweep): with the tests on
+# two processes, one's sweep would take the dead segments another test made to look at. Off
+# in the session (the tests of the sweep turn it on); `shmstore gc` and remove_stale still work
+os.environ.setdefault("SHMSTORE_SWEEP", "0")
 # the miss pool's default size follows the machine's cores: tests (and the servers they start)
 # run without one unless they set it, so a machine with cores to spare runs the same suite
 os.environ.setdefault("SHMSTORE_VLLM_POOL", "0")

@@ -36,6 +36,8 @@ from markdown_it import MarkdownIt
 from shmstore.cli._commands import build_parser
 from tests import _shm as _shm_entries
 
+pytestmark = pytest.mark.alone  # what a command left in /dev/shm: see pyproject.toml
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
          *sorted((ROOT / "docs").rglob("*.md"))]

@@ -15,6 +15,8 @@ import pytest
 from tests import _shm
 from tests._waiting import wait_for
 
+pytestmark = pytest.mark.alone  # what a command left in /dev/shm: see pyproject.toml
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

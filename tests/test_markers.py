@@ -39,3 +39,21 @@ def test_a_module_that_starts_servers_is_marked_serving(path: Path) -> None:
     assert "serving" in module_marks(path), (
         f"{path.relative_to(TESTS)} starts vLLM, a server or a multi-node relay: add "
         "pytest.mark.serving to its module-level pytestmark")
+
+
+# what a test names when it looks at all of /dev/shm, or removes every dead writer's segments
+SEES_ALL_SHM = ("left_since(", "sweep_dead(", 'cli("gc")', '"SHMSTORE_SWEEP": "1"')
+
+
+@pytest.mark.parametrize("path", sorted(p for p in TESTS.rglob("test_*.py")
+                                        if p != Path(__file__).resolve()
+                                        and any(s in p.read_text() for s in SEES_ALL_SHM)),
+                         ids=lambda p: p.name)
+def test_a_module_that_sees_all_of_dev_shm_marks_those_tests_alone(path: Path) -> None:
+    """scripts/test.sh runs the tests on two processes: a test that looks at everything in
+    /dev/shm (or removes every dead writer's segments) would see (or take) the other's, so it
+    is marked `alone` and runs after them."""
+    text = path.read_text()
+    assert "mark.alone" in text, (
+        f"{path.relative_to(TESTS)} looks at all of /dev/shm: mark those tests "
+        "pytest.mark.alone")

@@ -23,7 +23,7 @@ from types import TracebackType
 
 import posix_ipc
 
-from .._proc import int_arg, pid_alive
+from .._proc import env_switch, int_arg, pid_alive
 from ..errors import (
     BadMagic,
     InvalidArgument,
@@ -397,6 +397,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _SWEEP_EXTRA: dict[int, Callable[[str, int], object]] = {}  # kind -> what else goes with one
 _swept_in = 0  # the pid that swept: once per process (a forked child sweeps again)
+SWEEP_ENV = "SHMSTORE_SWEEP"  # 0: a writer's first create sweeps nothing (`shmstore gc` still does)
 
 
 def on_sweep(kind: int, remove: Callable[[str, int], object]) -> None:
@@ -446,7 +447,8 @@ def _sweep_once() -> None:
     global _swept_in
     if _swept_in != os.getpid():
         _swept_in = os.getpid()
-        sweep_dead()
+        if env_switch(SWEEP_ENV, True):
+            sweep_dead()
 
 
 def _reserve(fd: int, name: str, total_bytes: int) -> None:

@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests._names import ObjectStore
 from tests.conftest import new_name
+
+pytestmark = pytest.mark.alone  # ls, rm and gc see (and gc removes) every dead writer's segments
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -18,6 +18,8 @@ from shmstore.cli._demo import CLIP_MEAN, CLIP_STD, CROP, n_tiles, preprocess_nu
 from tests import _shm
 from tests._waiting import wait_for
 
+pytestmark = pytest.mark.alone  # what a command left in /dev/shm: see pyproject.toml
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

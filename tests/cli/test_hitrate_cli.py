@@ -144,6 +144,7 @@ def test_a_key_seen_large_then_small_counts_at_its_largest_and_verify_stays_smal
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 128 + signal.SIGTERM),
                                          (signal.SIGINT, 130)])
+@pytest.mark.alone
 def test_hitrate_stopped_leaves_nothing_in_dev_shm(tmp_path: Path, sig: signal.Signals,
                                                    status: int) -> None:
     """SIGTERM exits 143; Ctrl-C (SIGINT) ends with one line and 130, no traceback."""

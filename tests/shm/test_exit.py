@@ -46,10 +46,13 @@ def left(name: str) -> list[str]:
     return sorted(p.name for p in SHM.iterdir() if name in p.name)
 
 
-def run(name: str, body: str) -> subprocess.CompletedProcess[str]:
+def run(name: str, body: str, sweep: bool = False) -> subprocess.CompletedProcess[str]:
+    """`body` run in a new process (NAME is the name); `sweep`: its first create sweeps (off
+    in the test session: conftest.py)."""
     script = f"import os, sys, time\nNAME = {name!r}\n{textwrap.dedent(body)}\n"
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                     "SHMSTORE_SWEEP": "1" if sweep else "0"})
 
 
 @pytest.mark.parametrize("ending", list(ENDINGS))
@@ -219,6 +222,7 @@ def test_a_host_that_closes_the_trackers_pipe_and_reuses_its_fd_loses_nothing(
     assert mine.read_text() == ""
 
 
+@pytest.mark.alone  # the sweep removes every dead writer's segments, other tests' too
 def test_segments_a_tracker_killed_with_its_writer_left_go_at_the_next_writers_create(
         name: str) -> None:
     """SIGKILL to the writer and its tracker (here: a writer that ran without one) leaves the
@@ -238,7 +242,7 @@ def test_segments_a_tracker_killed_with_its_writer_left_go_at_the_next_writers_c
             for sem in left(name):
                 (SHM / sem).unlink()  # what `shmstore gc` does beside remove_stale
         else:
-            done = run(name + "-next", MAKE["store"])  # another name: a new process's create
+            done = run(name + "-next", MAKE["store"], sweep=True)  # a new process's create
             assert done.returncode == 0, done.stderr
             assert "removed 2 segment(s) left by dead writers" in done.stderr
         assert left(name) == []

@@ -290,6 +290,7 @@ def test_prefault_off_still_works(name: str) -> None:
         assert seg.buf[-1] == 1
 
 
+@pytest.mark.alone  # the sweep removes every dead writer's segments, other tests' too
 def test_a_live_writer_whose_pid_this_namespace_cannot_see_is_never_removed(name: str) -> None:
     """A writer in another container that shares /dev/shm (docker --ipc=host, a pod's
     hostIPC) has a pid that means nothing here: its header pid looks dead. Its flock on the
