@@ -237,14 +237,16 @@ def group_processes(pgid: int) -> list[Path]:
     return found
 
 
-def cpu_seconds(pgid: int) -> tuple[float, float, float]:
+def cpu_seconds(pgid: int) -> tuple[float, float, float, dict[str, float]]:
     """CPU seconds (user + system) so far of the server's API server processes, of all its
     processes, and of its miss pool's workers. vLLM titles its API servers APIServer_N when it
     runs several; with one, the server's first process (pid = pgid) is the API server. A pool
     worker names itself shmstore-pool (/proc/PID/comm). A pool worker that exits between two
-    reads takes its seconds with it: compare cells, not single numbers."""
+    reads takes its seconds with it: compare cells, not single numbers. Last, the seconds by
+    process name (/proc/PID/comm: vLLM names its engine core and workers)."""
     tick = os.sysconf("SC_CLK_TCK")
     api = total = first = pool = 0.0
+    by_name: dict[str, float] = {}
     for entry in group_processes(pgid):
         try:
             stat = (entry / "stat").read_text()
@@ -255,13 +257,14 @@ def cpu_seconds(pgid: int) -> tuple[float, float, float]:
         except (OSError, ValueError):
             continue
         total += seconds
+        by_name[comm] = by_name.get(comm, 0.0) + seconds
         if b"APIServer" in title:
             api += seconds
         if comm == "shmstore-pool":
             pool += seconds
         if int(entry.name) == pgid:
             first = seconds
-    return api or first, total, pool
+    return api or first, total, pool, by_name
 
 
 def run_cell(server: Server, seeds: list[int], concurrency: int,
@@ -301,7 +304,10 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
             "ipc_mb_per_request": serialized / len(times) / 1e6,
             "api_cpu_ms_per_request": 1e3 * (cpu_after[0] - cpu_before[0]) / len(times),
             "server_cpu_ms_per_request": 1e3 * (cpu_after[1] - cpu_before[1]) / len(times),
-            "pool_cpu_ms_per_request": 1e3 * (cpu_after[2] - cpu_before[2]) / len(times)}
+            "pool_cpu_ms_per_request": 1e3 * (cpu_after[2] - cpu_before[2]) / len(times),
+            "cpu_ms_per_request_by_process": {
+                name: 1e3 * (seconds - cpu_before[3].get(name, 0.0)) / len(times)
+                for name, seconds in sorted(cpu_after[3].items())}}
 
 
 def pss_bytes(pgid: int) -> int:
@@ -421,13 +427,22 @@ def main() -> None:
         plot(result, args.plot)
 
 
+def _median(values: Any) -> Any:
+    """The median of numbers, or of dicts of numbers key by key (a key missing counts 0)."""
+    values = list(values)
+    if values and isinstance(values[0], dict):
+        keys = sorted({k for v in values for k in v})
+        return {k: statistics.median(v.get(k, 0.0) for v in values) for k in keys}
+    return statistics.median(values)
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians over the repeats, per configuration and cell."""
     out: dict[str, Any] = {"configs": {}}
     for name, reps in runs.items():
         cells = {}
         for cell in reps[0]["cells"]:
-            cells[cell] = {k: statistics.median(r["cells"][cell][k] for r in reps)
+            cells[cell] = {k: _median(r["cells"][cell][k] for r in reps)
                            for k in reps[0]["cells"][cell]}
             p50s = [r["cells"][cell]["ttft_p50_ms"] for r in reps]
             cells[cell]["ttft_p50_ms_spread"] = [min(p50s), max(p50s)]
@@ -460,6 +475,10 @@ def report(result: dict[str, Any]) -> None:
                   + ("" if not v.get("pool_cpu_ms_per_request") else
                      f" (pool {v['pool_cpu_ms_per_request']:5.1f} ms)")
                   + ("" if ipc is None else f" {ipc:7.3f} MB serialized"))
+            by_process = v.get("cpu_ms_per_request_by_process")
+            if by_process:  # the server's processes by name, CPU ms per request
+                print("             " + ", ".join(f"{k} {ms:.0f}" for k, ms in
+                                                 by_process.items() if ms >= 1))
     print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, API-server "
           "CPU per request, server CPU per request, MB serialized between the server's "
           "processes per request; memory")
