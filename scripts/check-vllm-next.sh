@@ -20,6 +20,6 @@ if [ ! -f "$SIDE/.installed" ]; then
   echo "vLLM $VERSION's wheel put in $SIDE in $((SECONDS - start)) s" >&2
 fi
 export PYTHONPATH=$SIDE SHMSTORE_TEST_VLLM_VERSION=$VERSION
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not serving and not slow" \
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 -m "not serving and not slow" \
   tests/vllm/test_vllm_door.py tests/vllm/test_vllm_images.py tests/vllm/test_vllm_records.py \
   tests/vllm/test_vllm_plugin.py tests/vllm/test_vllm_requests.py "$@"

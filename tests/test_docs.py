@@ -36,8 +36,6 @@ from markdown_it import MarkdownIt
 from shmstore.cli._commands import build_parser
 from tests import _shm as _shm_entries
 
-pytestmark = pytest.mark.alone  # what a command left in /dev/shm: see pyproject.toml
-
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md",
          *sorted((ROOT / "docs").rglob("*.md"))]
@@ -106,6 +104,7 @@ def _run_python(path: Path, cwd: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # what the block left in /dev/shm: see pyproject.toml
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("block", _of("python"), ids=lambda b: b.id)
 def test_python_block_runs_as_printed(block: Block, tmp_path: Path) -> None:
@@ -268,6 +267,7 @@ def _check_command(argv: list[str], cwd: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # what the block left in /dev/shm: see pyproject.toml
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", _of("sh"), ids=lambda b: b.id)
 def test_shell_block_runs_or_parses_as_printed(block: Block, tmp_path: Path) -> None:

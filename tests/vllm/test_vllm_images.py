@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,8 +55,8 @@ def outcome(load: Any, data: bytes, mode: str | None = "RGB") -> Any:
             media.realize()
         pixels = np.asarray(media.media)
         return pixels.tobytes(), media.media.mode, size, digest, media.io_config
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
+    except Exception as exc:  # PIL names the stream it read by its address: not compared
+        return type(exc).__name__, re.sub(r" at 0x[0-9a-f]+", " at 0x...", str(exc))
 
 
 CASES = {
