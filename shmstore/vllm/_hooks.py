@@ -97,13 +97,14 @@ def finish_request(original: Any) -> Any:
 
 def process_outputs(original: Any) -> Any:
     @functools.wraps(original)
-    def wrapper(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         # before vLLM ends them through _finish_request, which would count them as finished
-        for rid in refused_on_arrival(engine_core_outputs):
+        outputs = args[0] if args else kwargs.get("engine_core_outputs")
+        for rid in refused_on_arrival(outputs):
             for ledger in _ledgers():
                 _tell(f"request {rid} was refused on arrival",
                       functools.partial(ledger.request_refused, rid))
-        return original(self, engine_core_outputs, *args, **kwargs)
+        return original(self, *args, **kwargs)
     return wrapper
 
 
