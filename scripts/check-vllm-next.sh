@@ -22,8 +22,15 @@ if [ ! -f "$SIDE/.installed" ]; then
 fi
 # the vllm extra beside this release: pip's resolver, a dry run (metadata only, nothing installed)
 REPORT=$(mktemp -t vllm-next-resolve.XXXXXX.json)
-.venv/bin/python -m pip install --dry-run --ignore-installed --quiet --disable-pip-version-check \
-  --report "$REPORT" ".[vllm]" "vllm==$VERSION" >/dev/null
+LOG=$(mktemp -t vllm-next-resolve.XXXXXX.log)  # pip's notes, shown only if it fails
+if ! .venv/bin/python -m pip install --dry-run --ignore-installed --quiet \
+    --disable-pip-version-check --report "$REPORT" ".[vllm]" "vllm==$VERSION" >"$LOG" 2>&1; then
+  cat "$LOG" >&2
+  rm -f "$REPORT" "$LOG"
+  echo "check-vllm-next: shmstore[vllm] does not install beside vllm==$VERSION" >&2
+  exit 1
+fi
+rm -f "$LOG"
 .venv/bin/python - "$REPORT" "$VERSION" <<'PY'
 import json, sys
 found = {i["metadata"]["name"].lower(): i["metadata"]["version"]
