@@ -68,6 +68,11 @@ class Shape:
         return self.engines * self.per_engine
 
     @property
+    def pooled(self) -> bool:
+        """Whether the node has a miss pool (a TP group across nodes has none)."""
+        return bool(self.pool_workers) and self.shape != "relay"
+
+    @property
     def shape(self) -> str:
         """local, remote or relay (the module docstring says what each is)."""
         if self.nodes > 1:
@@ -214,7 +219,7 @@ def open_pool(d: Shape, writers: Writers, processor: Processor, *,
     servers, serves it to the others; they submit through a client. A pool whose name cannot
     be served (taken) stays this process's own: logged, kept in `unshared`, never a failed
     start."""
-    if not d.pool_workers or d.shape == "relay":
+    if not d.pooled:
         return None
     outbox = _outbox(d.name)
     try:

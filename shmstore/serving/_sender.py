@@ -13,6 +13,7 @@ same hits, misses and touches the caches' shm kinds use):
     store_miss(key, value)       a miss stored and handed out; a full store settles what ended
                                  requests held and tries once more; None: send it inline
     shared(key)                  a miss another API server stored meanwhile (KeyExists)
+    store_or_share(key, value)   store_miss, else shared
     deliver(handout, has_data)   the hand-out goes to the engine: published to the other nodes
                                  (a TP group across nodes) and recorded in the request ledger;
                                  None: send the data instead (given back)
@@ -29,17 +30,20 @@ import threading
 from typing import Any
 
 from ..cache._caches import StoreSender
-from ..errors import Timeout
+from ..errors import KeyExists, Timeout
 from ..handle import HandOut
 from ..store._api import WriterAPI
 from ._log import log
 from ._nodes import HeadPublisher
 from ._requests import RequestLedger
 
-__all__ = ["Sender", "Unreachable", "OUTCOMES"]
+__all__ = ["Sender", "Unreachable", "OUTCOMES", "Beside", "Queries"]
 
 OUTCOMES = ("hit", "pooled", "shared", "stored", "inline")  # Sender.items: what each item
 # came to ("pooled": found stored because the node's miss pool made it for this request: new)
+
+
+PRUNE_BESIDE = 64  # values kept beyond twice those of stored keys before Beside prunes
 
 
 class Unreachable(Exception):
@@ -83,6 +87,13 @@ class Sender(StoreSender):
                 return None
             self.items["stored"] += 1
             return handout
+
+    def store_or_share(self, key: str, value: Any) -> HandOut | None:
+        """store_miss, or (another API server stored `key` meanwhile) shared: None, inline."""
+        try:
+            return self.store_miss(key, value)
+        except KeyExists:
+            return self.shared(key)
 
     def shared(self, key: str) -> HandOut | None:
         """A hand-out of what another API server stored under `key`; None: evicted in between
@@ -138,3 +149,71 @@ class Sender(StoreSender):
         with self.lock:
             if not self.store.closed:
                 self.release()
+
+
+class Beside:
+    """What this API server keeps beside the store's objects, by key (an engine's per-item
+    data that never goes to the store: vLLM's prompt updates). A key is usable only while
+    both this table and the store have it; values of keys gone from the store are dropped
+    once the table has grown by PRUNE_BESIDE beyond twice what survived the last prune.
+    The caller holds the sender's lock around every call."""
+
+    def __init__(self, store: WriterAPI) -> None:
+        self._store = store
+        self._values: dict[str, Any] = {}
+        self._prune_at = PRUNE_BESIDE
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        """Keep `value` without a prune (inside a store call: no second one)."""
+        self._values[key] = value
+
+    def usable(self, key: str) -> bool:
+        """Both here and in the store (a hit needs both)."""
+        return key in self._values and self._store.cached([key])[0]
+
+    def add(self, key: str, value: Any) -> None:
+        """Keep `value`, first dropping the values of keys gone from the store if due."""
+        if len(self._values) >= self._prune_at:
+            keys = list(self._values)
+            kept = self._store.cached(keys)
+            self._values = {k: self._values[k] for k, c in zip(keys, kept, strict=True) if c}
+            self._prune_at = 2 * len(self._values) + PRUNE_BESIDE
+        self._values[key] = value
+
+    def drop_if_gone(self, key: str) -> None:
+        """Forget `key`'s value if the store no longer has it (an engine's invalidation)."""
+        if not self._store.cached([key])[0]:
+            self._values.pop(key, None)
+
+    def clear(self) -> None:
+        self._values.clear()
+
+
+class Queries:
+    """An engine's own hit counter (vLLM's hit ratio): queries and true hits since the last
+    reset, and `delta()` since the last delta. An item the pool made for this request is a
+    query, not a hit."""
+
+    def __init__(self) -> None:
+        self.hits = self.total = 0
+        self._last = (0, 0)
+
+    def count(self, hit: bool) -> None:
+        self.total += 1
+        self.hits += hit
+
+    def delta(self) -> tuple[int, int]:
+        """(hits, queries) since the last delta."""
+        now = (self.hits, self.total)
+        then, self._last = self._last, now
+        return now[0] - then[0], now[1] - then[1]
+
+    def reset(self) -> None:
+        self.hits = self.total = 0
+        self._last = (0, 0)

@@ -116,6 +116,25 @@ class Deployment(Shape):
             pool_workers=pool[0], pool_why=pool[1],
             model_config=vllm_config.model_config)
 
+    @property
+    def pooled(self) -> bool:
+        """The pool processes lazy images: it needs ACCELERATE_ENV on too."""
+        return super().pooled and self.accelerate
+
+    def log_pool(self) -> None:
+        """Say, in the process that writes the store, what became of the node's miss pool."""
+        if self.shape != "relay":
+            log.info("shmstore: miss pool of %d worker(s) (%s)%s", self.pool_workers,
+                     self.pool_why, "" if self.accelerate or not self.pool_workers else
+                     f"; off: it needs {ACCELERATE_ENV} on")
+
+    def log_layout(self, role: str, relay: bool) -> None:
+        log.info("shmstore serves vLLM's shm multimodal cache: segment %r, %d bytes, policy %s; "
+                 "layout: %d API server(s) (this is %d, %s), %d engine(s) x %d worker(s) = %d "
+                 "reader(s)%s", self.name, self.capacity_bytes, self.policy, self.api_servers,
+                 self.api_rank, role, self.engines, self.per_engine, self.n_readers,
+                 " on this node and the relay publisher" if relay else "")
+
     def keeps_shm(self) -> bool:
         """Whether the user's `shm` stays `shm` where vLLM would fall back to processor-only."""
         if self.cache_type != "shm":

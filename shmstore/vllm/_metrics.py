@@ -28,7 +28,7 @@ class _SenderCollector:
         from prometheus_client.core import CounterMetricFamily
 
         sender = self._sender
-        labels = [sender.segment, str(sender.api_server)]
+        labels = [sender.deployment.name, str(sender.deployment.api_rank)]
         with sender.ledger.lock:
             items, settled = dict(sender.items), dict(sender.ledger.settled)
             skipped, refused = dict(sender.accel.skipped), dict(sender.accel.refused)

@@ -18,7 +18,7 @@ import pytest
 from shmstore.serving._deployment import NodePool, Shape, open_pool, open_writer
 from shmstore.serving._outcome import STORED, Processor
 from shmstore.serving._receiver import Receiver, Unreadable
-from shmstore.serving._sender import Sender
+from shmstore.serving._sender import PRUNE_BESIDE, Beside, Queries, Sender
 from tests._names import ObjectStore
 from tests._waiting import wait_for
 from tests.serving.test_pool import READY_S, TOY
@@ -113,6 +113,74 @@ def test_open_writer_gives_the_second_api_server_the_first_ones_store(name: str)
             second.close()
     finally:
         first.close()
+
+
+def test_store_or_share_hands_out_what_another_api_server_stored_meanwhile(name: str) -> None:
+    first_lock, second_lock = threading.RLock(), threading.RLock()
+    first = open_writer(shape(name, api_servers=2), first_lock, no_head)
+    second = open_writer(shape(name, api_servers=2, api_rank=1), second_lock, no_head)
+    a = Sender(first.store, first_lock, settle_s=0, lease_s=60)
+    b = Sender(second.store, second_lock, settle_s=0, lease_s=60)
+    try:
+        mine = a.store_or_share("photo", value(3))
+        theirs = b.store_or_share("photo", value(4))  # processed twice: the first copy stays
+        assert mine is not None and theirs is not None and theirs.handle == mine.handle
+        assert theirs.number != mine.number  # a hand-out of its own, owed by the readers
+        assert (a.items["stored"], b.items["shared"], b.items["stored"]) == (1, 1, 0)
+        assert first.local is not None and first.local.stats().puts == 1
+    finally:
+        a.close()
+        b.close()
+        second.close()
+        first.close()
+
+
+def test_beside_keeps_a_value_only_while_the_store_keeps_its_key(name: str) -> None:
+    lock = threading.RLock()
+    writers = open_writer(shape(name, capacity_bytes=64 * KIB, max_object_bytes=8 * KIB),
+                          lock, no_head)
+    sender = Sender(writers.store, lock, settle_s=0.0, lease_s=60.0)
+    beside = Beside(writers.store)
+    try:
+        made = sender.store_miss("a", value(1))
+        assert made is not None
+        writers.store.give_back(made.handle, made.number)
+        beside.add("a", "updates of a")
+        assert beside.usable("a") and beside["a"] == "updates of a"
+        assert not beside.usable("b")  # stored nowhere, kept nowhere
+        beside["b"] = "kept without a store call"
+        assert "b" in beside and not beside.usable("b")  # the store has no b: no hit
+        beside.drop_if_gone("a")
+        assert "a" in beside  # still stored
+        writers.store.clear()
+        beside.drop_if_gone("a")
+        assert "a" not in beside
+        beside.clear()
+        assert "b" not in beside
+        for i in range(PRUNE_BESIDE + 1):  # none of these is stored: the prune drops them
+            beside.add(f"gone-{i}", i)
+        assert not [i for i in range(PRUNE_BESIDE) if f"gone-{i}" in beside]
+        assert f"gone-{PRUNE_BESIDE}" in beside  # added after the prune
+    finally:
+        sender.close()
+        writers.close()
+
+
+def test_queries_count_true_hits_and_deltas_since_the_last() -> None:
+    q = Queries()
+    for hit in (True, False, True):
+        q.count(hit)
+    assert (q.hits, q.total) == (2, 3) and q.delta() == (2, 3)
+    q.count(False)
+    assert q.delta() == (0, 1) and q.delta() == (0, 0)
+    q.reset()
+    assert (q.hits, q.total) == (0, 0) and q.delta() == (0, 0)
+
+
+def test_a_shape_has_a_pool_only_with_workers_and_on_one_node(name: str) -> None:
+    assert not shape(name).pooled
+    assert shape(name, pool_workers=2).pooled
+    assert not shape(name, pool_workers=2, nodes=2).pooled  # a TP group across nodes
 
 
 def test_open_pool_decides_every_role(name: str) -> None:

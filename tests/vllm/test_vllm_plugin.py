@@ -239,7 +239,7 @@ def test_oversize_and_full_are_sent_inline_never_dropped(name: str) -> None:
         outs = [sender.get_and_update_item((it, []), f"s{i}")[0] for i, it in enumerate(small)]
         # nobody reads: the store fills, later items go inline with their data
         assert any(HANDLE_FIELD in o for o in outs) and outs[-1] is small[-1]
-        assert sender.inline_fallbacks == 2
+        assert sender.items["inline"] == 2
     finally:
         sender.close()
 
@@ -355,7 +355,7 @@ def test_a_killed_worker_does_not_wedge_the_sender(name: str) -> None:
             out, _ = sender.get_and_update_item((image_item(20 + i), []), f"k{i}")
             assert HANDLE_FIELD in out
             receiver.get_and_update_item(over_the_wire(out), f"k{i}")
-        assert sender.inline_fallbacks == 0 and sender.store.stats().dead_readers == 1
+        assert sender.items["inline"] == 0 and sender.store.stats().dead_readers == 1
     finally:
         p.kill()
         p.join(30)
@@ -538,7 +538,7 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         assert sender.get_and_update_item((item0, ["u0"]), "h0") == (item0, ["u0"])
         with pytest.raises(MultiModalCacheMissError):
             sender.get_and_update_item(None, "h0")
-        assert sender.inline_fallbacks == 1
+        assert sender.items["inline"] == 1
         relay = Relay(sender.publisher.endpoint, node, n_readers=1,
                       security=RelaySecurity(plaintext=True),
                       timing=Timing(peer_timeout_s=1.0, heartbeat_s=0.1),

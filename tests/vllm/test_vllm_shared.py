@@ -137,14 +137,14 @@ def test_one_servers_ended_hand_outs_never_withdraw_what_the_others_live_request
     for i in range(8):  # more than the store holds: both servers' misses go round the ring
         store_and_read((first, second)[i % 2], receivers, i)
     assert first.store.is_cached("held")  # API server 0's live request still holds it
-    assert first.inline_fallbacks + second.inline_fallbacks > 0  # so the ring stays full
+    assert first.items["inline"] + second.items["inline"] > 0  # so the ring stays full
     for receiver in receivers:
         assert same_item(read(receiver, "alive", live, "held"), image_item(7))
     first.ledger.request_ended("alive", aborted=False)
-    inline_before = first.inline_fallbacks + second.inline_fallbacks
+    inline_before = first.items["inline"] + second.items["inline"]
     for i in range(8, 14):  # now nothing is owed by a live request: never inline again
         store_and_read((first, second)[i % 2], receivers, i)
-    assert first.inline_fallbacks + second.inline_fallbacks == inline_before
+    assert first.items["inline"] + second.items["inline"] == inline_before
     assert first.store.stats().withdrawn == 1 and second.ledger.settled["aborted"] == 1
 
 

@@ -82,7 +82,7 @@ def store_report(cache: Any) -> dict[str, object]:
                       reader_pids=list(stats.reader_pids), n_readers=stats.n_readers,
                       corrupt_reads=list(stats.corrupt_reads), vllm_hits=info.hits,
                       vllm_total=info.total, segment=stats.name,
-                      inline_fallbacks=cache.inline_fallbacks)
+                      inline_fallbacks=cache.items["inline"])
         if cache.publisher is not None:
             published = cache.publisher.stats()
             report.update(published=published.messages, nodes_joined=published.nodes_joined,

@@ -83,9 +83,9 @@ def main(model: str, tp: int) -> None:
     # 3. rounds of new images: by handle, none inline
     inline = []
     for _ in range(3):
-        before = cache.inline_fallbacks
+        before = cache.items["inline"]
         generate([prompt(image()) for _ in range(6)])
-        inline.append(cache.inline_fallbacks - before)
+        inline.append(cache.items["inline"] - before)
     report["inline_per_round"] = inline
     # 4. reset under traffic
     standard = standard_prompts()

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ...serving._deployment import NodePool
+from ...serving._deployment import NodePool, Writers, open_pool
 from ...serving._outcome import Outcome, Processor
 from ...serving._photos import read_photo
 from .._env import LOG_NAME
@@ -51,7 +51,7 @@ from .._vllm import (
 from ._images import LazyImage
 from ._records import RECORD_FIELD, write
 
-__all__ = ["PoolSender", "make_processor", "processor", "WAIT_S"]
+__all__ = ["PoolSender", "open_pool_sender", "make_processor", "processor", "WAIT_S"]
 
 log = logging.getLogger(LOG_NAME)
 MAX_MADE = 4096  # keys kept as made by the pool until vLLM's thread meets them
@@ -160,6 +160,19 @@ class PoolSender:
 
     def close(self) -> None:
         self.node.close()
+
+
+def open_pool_sender(d: Any, writers: Writers, accel: Any) -> PoolSender | None:
+    """This API server's way into the node's miss pool (open_pool decides its role), where
+    the deployment has one and images load lazily; without one, and with one API server, a
+    photo not loaded before is decoded as it arrives (Acceleration.decode_new_photos_at_once)."""
+    pool = None
+    if d.pooled and accel.lazy_images:
+        node = open_pool(d, writers, processor(d.model_config), env={"OMP_NUM_THREADS": "1"})
+        pool = None if node is None else PoolSender(node)
+    if pool is None and d.api_servers == 1:
+        accel.decode_new_photos_at_once()
+    return pool
 
 
 def processor(model_config: Any) -> Processor:
