@@ -19,6 +19,7 @@ same hits, misses and touches the caches' shm kinds use):
                                  None: send the data instead (given back)
     release()                    touches never used go back, each by its number
     issued(key, handout)         whether the store made a hand-out an engine input carries
+    check_issued(key, handout)   the same, refused with InvalidArgument (a ValueError)
 
 Threads: every step takes `lock` (the adapter's, held around each of its store calls too);
 the ledger (serving/_requests.py) shares it.
@@ -30,7 +31,7 @@ import threading
 from typing import Any
 
 from ..cache._caches import StoreSender
-from ..errors import KeyExists, Timeout
+from ..errors import InvalidArgument, KeyExists, Timeout
 from ..handle import HandOut
 from ..store._api import WriterAPI
 from ._log import log
@@ -128,6 +129,19 @@ class Sender(StoreSender):
             self.ledger.handed_out(handout.number, handout.handle, key)
             return handout
 
+    def stored(self, keys: list[str]) -> list[bool]:
+        """Which of `keys` the store holds (no hand-out, no side effect)."""
+        with self.lock:
+            return self.store.cached(keys)
+
+    def check_issued(self, key: str, handout: HandOut) -> None:
+        """An engine input carries `handout` for `key`: InvalidArgument (a ValueError) unless
+        this store made it for that key and it is current (the workers' checks, made first)."""
+        if not self.issued(key, handout):
+            raise InvalidArgument(f"item {key!r} carries a shmstore handle that this server did "
+                                  "not issue for it (forged, stale or from another server); "
+                                  "send the data instead", "handout", handout)
+
     def routed(self, request_id: str, engine: int, engines: int, per_engine: int) -> None:
         """The engine client sends `request_id` to engine `engine` of `engines`: its hand-outs
         are owed by that engine's `per_engine` workers only."""
@@ -207,6 +221,10 @@ class Queries:
     def count(self, hit: bool) -> None:
         self.total += 1
         self.hits += hit
+
+    def info(self, delta: bool = False) -> tuple[int, int]:
+        """(hits, queries) since the last reset, or (delta) since the last delta."""
+        return self.delta() if delta else (self.hits, self.total)
 
     def delta(self) -> tuple[int, int]:
         """(hits, queries) since the last delta."""

@@ -71,8 +71,6 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self.queries = Queries()  # vLLM's hit ratio
         self.accel = Acceleration(d.accelerate, d.processor_identity, d.vocab_size,
                                   self.ledger.lock)
-        if self._writers.local is not None:
-            d.log_pool()
         self.pool = open_pool_sender(d, self._writers, self.accel)
         self._unregister_metrics = export_metrics(self)
         SENDERS.append(self)
@@ -87,8 +85,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     @property
     def publisher(self) -> Any:
         """The relay Publisher of a TP group across nodes (relay/_publisher.py), else None."""
-        head = self._writers.head
-        return None if head is None else head.publisher
+        return None if self._writers.head is None else self._writers.head.publisher
 
     @contextmanager
     def processing(self, inputs: Any, hf_processor_mm_kwargs: Any, items: Any
@@ -103,11 +100,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """A request's media are loaded: its new images go to the miss pool first, if any."""
         if self.pool is not None:
             await self.pool.before_processing(renderer, prompt, self.accel.fingerprint,
-                                              self._stored)
-
-    def _stored(self, keys: list[str]) -> list[bool]:
-        with self._lock:
-            return self.store.cached(keys)
+                                              self._core.stored)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         with self._lock:  # a hit needs both the object and P0's prompt updates
@@ -178,11 +171,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
         handout = handout_from_item(mm_item)
-        if handout is not None and not self._core.issued(mm_hash, handout):
-            # the worker's checks, made here first, by the store that made the hand-out
-            raise ValueError(f"multimodal item {mm_hash!r} carries a shmstore handle that this "
-                             "server did not issue for it (forged, stale or from another "
-                             "server); send the data instead")
+        if handout is not None:
+            self._core.check_issued(mm_hash, handout)
 
     def invalidate(self, mm_hash: str) -> None:
         with self._lock:
@@ -197,8 +187,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             self.queries.reset()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        q = self.queries
-        hits, total = q.delta() if delta else (q.hits, q.total)
+        hits, total = self.queries.info(delta)
         return CacheInfo(hits=hits, total=total)
 
     def close(self) -> None:

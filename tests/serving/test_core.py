@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shmstore.errors import InvalidArgument
 from shmstore.serving._deployment import NodePool, Shape, open_pool, open_writer
 from shmstore.serving._outcome import STORED, Processor
 from shmstore.serving._receiver import Receiver, Unreadable
@@ -128,6 +129,12 @@ def test_store_or_share_hands_out_what_another_api_server_stored_meanwhile(name:
         assert theirs.number != mine.number  # a hand-out of its own, owed by the readers
         assert (a.items["stored"], b.items["shared"], b.items["stored"]) == (1, 1, 0)
         assert first.local is not None and first.local.stats().puts == 1
+        assert b.stored(["photo", "other"]) == [True, False]
+        a.check_issued("photo", theirs)  # another API server's hand-out, by the same store
+        with pytest.raises(InvalidArgument, match="did not issue"):  # not for this key
+            b.check_issued("other", mine)
+        with pytest.raises(InvalidArgument, match="did not issue"):  # not a hand-out it made
+            b.check_issued("photo", mine._replace(number=mine.number + 1000))
     finally:
         a.close()
         b.close()

@@ -181,7 +181,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
                                       "multi_modal_data": {"image": [media]}}
             if uuid is not None:
                 prompt["multi_modal_uuids"] = {"image": [uuid]}
-            futures = pool.jobs(renderer, prompt, sender.accel.fingerprint, sender._stored)
+            futures = pool.jobs(renderer, prompt, sender.accel.fingerprint, sender._core.stored)
             return [f.result(timeout=240) for f in futures]
 
         for seed, sender in ((40, first), (41, second)):

@@ -166,6 +166,8 @@ def open_pool_sender(d: Any, writers: Writers, accel: Any) -> PoolSender | None:
     """This API server's way into the node's miss pool (open_pool decides its role), where
     the deployment has one and images load lazily; without one, and with one API server, a
     photo not loaded before is decoded as it arrives (Acceleration.decode_new_photos_at_once)."""
+    if writers.local is not None:
+        d.log_pool()
     pool = None
     if d.pooled and accel.lazy_images:
         node = open_pool(d, writers, processor(d.model_config), env={"OMP_NUM_THREADS": "1"})
