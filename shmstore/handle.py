@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from .errors import InvalidHandle, InvalidKey
 
 __all__ = ["Handle", "HandOut", "HANDLE_WIRE", "OBJECT_ID_BYTES", "MAX_RECORD_BYTES",
-           "KEY_DIGEST_BYTES",
+           "KEY_DIGEST_BYTES", "HANDOUT_WORDS",
            "key_digest", "check_key"]
 
 KEY_DIGEST_BYTES = 16  # blake2b-128: collisions need ~2**64 keys
@@ -30,6 +31,10 @@ OBJECT_ID_BYTES = KEY_DIGEST_BYTES + 8  # the key digest and the seq its bytes w
 MAX_RECORD_BYTES = 768  # a HandOut's record: 1,024 of them with their hand-outs fit one frame
 HANDLE_WIRE = struct.Struct("<QQ16sQ")
 _U64_LIMIT = 1 << 64
+# a hand-out's one word form (HandOut.to_words): every transport carries these unsigned 64-bit
+# ints, in this order (byte strings as little-endian words); a record travels beside them
+HANDOUT_WORDS = ("address", "seq", "digest_low", "digest_high", "epoch", "number", "id_0",
+                 "id_1", "id_2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +106,50 @@ class HandOut(NamedTuple):
         return (f"HandOut({self.handle!r}, number={self.number}, "
                 f"object_id={self.object_id.hex()}{record})")
 
+    def to_words(self) -> tuple[int, ...]:
+        """The hand-out as every transport carries it (HANDOUT_WORDS: nine unsigned 64-bit ints,
+        the record left out); `from_words` reads them back.
+
+        Raises:
+            InvalidHandle: a number that is not an int in [0, 2**64), or an object id that is
+                not OBJECT_ID_BYTES bytes (a HandOut the store did not make).
+        """
+        h, number, object_id = self.handle, self.number, self.object_id
+        if type(number) is not int or not 0 <= number < _U64_LIMIT:
+            raise InvalidHandle(f"HandOut.number must be an int in [0, 2**64), got {number!r}")
+        if type(object_id) is not bytes or len(object_id) != OBJECT_ID_BYTES:
+            raise InvalidHandle(f"HandOut.object_id must be {OBJECT_ID_BYTES} bytes, got "
+                                f"{object_id!r:.60}")
+        return (h.address, h.seq, *_words(h.key_digest), h.epoch, number, *_words(object_id))
+
+    @classmethod
+    def from_words(cls, words: object, record: bytes | None = None) -> HandOut:
+        """The hand-out `to_words` gave (with `record`, which travels beside the words).
+
+        Raises:
+            InvalidHandle: not HANDOUT_WORDS' nine ints in [0, 2**64) in a list or tuple.
+        """
+        if (not isinstance(words, (list, tuple)) or len(words) != len(HANDOUT_WORDS)
+                or any(type(w) is not int or not 0 <= w < _U64_LIMIT for w in words)):
+            raise InvalidHandle(f"a hand-out's words are {len(HANDOUT_WORDS)} unsigned 64-bit "
+                                f"ints ({', '.join(HANDOUT_WORDS)}), got {words!r:.120}")
+        address, seq, low, high, epoch, number, *object_id = words
+        digest = _bytes((low, high))
+        return cls(Handle(address, seq, digest, epoch), number, _bytes(object_id), record)
+
     @property
     def origin(self) -> int:
         """The seq the bytes were first put at (the object id's last 8 bytes, little-endian):
         StoreReader.get(origin=...) checks it."""
         return int.from_bytes(self.object_id[KEY_DIGEST_BYTES:], "little")
+
+
+def _words(data: bytes) -> tuple[int, ...]:
+    return tuple(int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8))
+
+
+def _bytes(words: Sequence[int]) -> bytes:
+    return b"".join(w.to_bytes(8, "little") for w in words)
 
 
 def check_key(key: object) -> str | bytes:

@@ -33,7 +33,7 @@ requests its hand-outs follow (settled before its retry of a full store) and the
 
 Make the sender with `SenderCache.create(kind, ...)` and each receiver with
 `ReceiverCache.attach(kind, ...)`. Payloads are tuples that shmstore's serializer and queue carry,
-led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, Handle, number, object id), (PAYLOAD_VALUE, value),
+led by a PAYLOAD_* tag: (PAYLOAD_HANDLE, HandOut.to_words()), (PAYLOAD_VALUE, value),
 (PAYLOAD_KEY, key) and (PAYLOAD_PUT, key, nbytes, value). A receiver reads a hand-out with
 StoreReceiver below, as the vLLM plugin's workers do (serving/_receiver.py): checked against the
 store first, and counted once however often its payload is resolved.
@@ -49,7 +49,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._proc import int_arg
-from ..errors import CorruptObject, InvalidArgument, ObjectTooLarge, StaleHandle, StoreFull
+from ..errors import (
+    CorruptObject,
+    InvalidArgument,
+    InvalidHandle,
+    ObjectTooLarge,
+    StaleHandle,
+    StoreFull,
+)
 from ..handle import Handle, HandOut, check_key, key_digest
 from ..serde._codec import encode, materialize
 from ..shm._closeable import Closeable
@@ -65,7 +72,7 @@ READ_MEMORY = 1 << 16  # (request, hand-out) pairs a receiver remembers having r
 
 CACHE_KINDS = (*(f"shm-{policy}" for policy in POLICIES), "lru")  # one per eviction policy
 DEFAULT_KIND = f"shm-{DEFAULT_POLICY}"  # the recommended kind
-PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, Handle, number, object id): read it from the store
+PAYLOAD_HANDLE = 1  # (PAYLOAD_HANDLE, a HandOut's words): read it from the store
 PAYLOAD_VALUE = 2  # (PAYLOAD_VALUE, value): the value itself (not cached)
 PAYLOAD_KEY = 3  # (PAYLOAD_KEY, key): lru hit, the receiver's mirror has it
 PAYLOAD_PUT = 4  # (PAYLOAD_PUT, key, nbytes, value): lru miss, the mirror inserts it
@@ -347,8 +354,8 @@ class ReceiverCache(Closeable):
 
 
 
-def _handle_payload(handout: HandOut) -> tuple[int, Handle, int, bytes]:
-    return (PAYLOAD_HANDLE, handout.handle, handout.number, handout.object_id)
+def _handle_payload(handout: HandOut) -> tuple[int, tuple[int, ...]]:
+    return (PAYLOAD_HANDLE, handout.to_words())
 
 
 def _bad_payload(payload: Any, kind: str) -> CorruptObject:
@@ -446,12 +453,12 @@ class ShmReceiverCache(ReceiverCache):
 
     def _handout(self, payload: Any) -> HandOut | None:
         """The hand-out a PAYLOAD_HANDLE payload carries; None for another payload."""
-        if not (type(payload) is tuple and len(payload) == 4 and payload[0] == PAYLOAD_HANDLE):
+        if not (type(payload) is tuple and len(payload) == 2 and payload[0] == PAYLOAD_HANDLE):
             return None
-        _, handle, number, object_id = payload
-        if type(handle) is not Handle or type(number) is not int or type(object_id) is not bytes:
-            raise _bad_payload(payload, self.kind)
-        return HandOut(handle, number, object_id)
+        try:
+            return HandOut.from_words(payload[1])
+        except InvalidHandle:
+            raise _bad_payload(payload, self.kind) from None
 
     def close(self) -> None:
         self.store.close()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._proc import int_arg
-from ..errors import CorruptObject, InvalidArgument, SegmentClosed, ShmStoreError
+from ..errors import CorruptObject, InvalidArgument, InvalidHandle, SegmentClosed, ShmStoreError
 from ..handle import Handle, HandOut
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
@@ -38,7 +38,7 @@ from ._broadcast import BroadcastQueue, QueueReader, QueueWriter
 __all__ = ["Channel", "ChannelWriter", "ChannelReader", "RawMessage", "TAG_INLINE", "TAG_HANDLE"]
 
 TAG_INLINE = 0  # queue tag of a value sent inline
-TAG_HANDLE = 1  # queue tag of (Handle, hand-out number)
+TAG_HANDLE = 1  # queue tag of a stored object's hand-out: HandOut.to_words()
 DEFAULT_INLINE_THRESHOLD = 64 << 10  # above this a value is stored and only its Handle is sent
 HANDLE_MESSAGE_BYTES = 256  # a Handle message with room to spare
 
@@ -208,8 +208,7 @@ class ChannelWriter(_Pair):
 
     def _publish(self, handout: HandOut, deadline: Deadline) -> None:
         try:
-            self._queue.publish(encode((handout.handle, handout.number)), deadline,
-                                tag=TAG_HANDLE)
+            self._queue.publish(encode(handout.to_words()), deadline, tag=TAG_HANDLE)
         except BaseException:
             with suppress(ShmStoreError):  # closed meanwhile: nothing to give back to
                 self._store.give_back(handout.handle, handout.number)  # no reader reads it
@@ -253,12 +252,13 @@ class ChannelReader(_Pair):
             tag, msg = self._queue.receive(deadline)
             if tag == TAG_INLINE:
                 return msg, 0
-            if (tag != TAG_HANDLE or type(msg) is not tuple or len(msg) != 2
-                    or type(msg[0]) is not Handle or type(msg[1]) is not int):
+            try:
+                handout = HandOut.from_words(msg if tag == TAG_HANDLE else None)
+            except InvalidHandle:  # another tag, or words that are not a hand-out's
                 raise CorruptObject(f"channel message with tag {tag} holds {type(msg).__name__} "
-                                    "that is not what that tag carries")
-            if msg[1] > store.joined_handout:
-                return msg[0], msg[1]
+                                    "that is not what that tag carries") from None
+            if handout.number > store.joined_handout:
+                return handout.handle, handout.number
             # handed out before this reader joined the store: not owed to it, not read
 
     def recv(self, timeout: float | None = None) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cache._caches import StoreReceiver
 from ..errors import CorruptObject, StaleHandle
-from ..handle import HandOut, key_digest
+from ..handle import KEY_DIGEST_BYTES, HandOut, key_digest
 from ..store._object_store import StoreReader
 from ._log import log
 from ._nodes import FEED_ERRORS, NodeFeed
@@ -38,10 +38,12 @@ class Receiver(StoreReceiver):
     def read(self, handout: HandOut, key: str | bytes | None = None,
              request: str | None = None) -> Any:
         """The value of `handout`, an item of `key` in `request`. Unreadable: it cannot be."""
-        if key is not None and handout.handle.key_digest != key_digest(key):
-            log.warning("shmstore: item %s carries the handle of another item; asking for it "
-                        "again", key)
-            raise Unreadable("another item's handle")
+        digest = handout.handle.key_digest
+        if ((key is not None and digest != key_digest(key))
+                or handout.object_id[:KEY_DIGEST_BYTES] != digest):  # a relay reads by the id
+            log.warning("shmstore: item %s carries the handle or object id of another item; "
+                        "asking for it again", key)
+            raise Unreadable("another item's handle or object id")
         try:
             if self.feed is not None:
                 return self.feed.get(handout.object_id)

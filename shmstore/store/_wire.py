@@ -23,7 +23,7 @@ writer for numbers it does not have):
     key       str or bytes, checked by check_key
     keys      a list of at most MAX_KEYS keys, all checked before anything runs
     handle    a list of 4: [address, seq, key digest, epoch], rebuilt as a Handle
-    handout   a list of 4: [handle, number, object id, record or None], rebuilt as a HandOut
+    handout   a list of 2: [HandOut.to_words(), record or None], rebuilt by HandOut.from_words
               (also how every reply carries one)
     number    an int in [-2**63, 2**64)
     number?   a number or None
@@ -54,7 +54,7 @@ from ..errors import (
     StaleHandle,
     StoreFull,
 )
-from ..handle import MAX_RECORD_BYTES, OBJECT_ID_BYTES, Handle, HandOut, check_key
+from ..handle import MAX_RECORD_BYTES, Handle, HandOut, check_key
 from ..local import _frames as frames
 
 __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GROUPS", "OPS",
@@ -63,7 +63,7 @@ __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GRO
            "handle_from_wire", "handout_to_wire", "handout_from_wire", "int_list", "error_reply",
            "rebuild_error"]
 
-PROTOCOL = 5
+PROTOCOL = 6
 MAX_FRAME_BYTES = 1 << 20  # requests carry keys and hand-out numbers, never object bytes
 MAX_KEYS = 1024  # keys in one hand_out_cached or cached frame (RemoteWriter splits longer lists)
 MAX_PEEK_BYTES = MAX_RECORD_BYTES  # a peeked record: MAX_KEYS of them with their hand-outs fit
@@ -178,22 +178,24 @@ def handle_from_wire(words: Any) -> Handle:
 
 
 def handout_to_wire(handout: HandOut) -> list[Any]:
-    return [handle_to_wire(handout.handle), handout.number, handout.object_id, handout.record]
+    return [list(handout.to_words()), handout.record]
 
 
-def handout_from_wire(words: Any, max_record: int) -> HandOut:
-    """A hand-out as the other side sent it (ProtocolError: that side is not ours): a number
-    >= 1, an object id of OBJECT_ID_BYTES and a record of at most `max_record` bytes."""
-    if not isinstance(words, list) or len(words) != 4:
-        raise ProtocolError("a hand-out is 4 fields")
-    handle, number, object_id, record = words
-    if type(number) is not int or not 0 < number < 1 << 64:
-        raise ProtocolError("a hand-out's number is an int in [1, 2**64)")
-    if type(object_id) is not bytes or len(object_id) != OBJECT_ID_BYTES:
-        raise ProtocolError(f"a hand-out's object id is {OBJECT_ID_BYTES} bytes")
+def handout_from_wire(value: Any, max_record: int) -> HandOut:
+    """A hand-out as the other side sent it (ProtocolError: that side is not ours): its words
+    (HandOut.from_words) with a number >= 1, and a record of at most `max_record` bytes."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise ProtocolError("a hand-out is [words, record]")
+    words, record = value
     if record is not None and (type(record) is not bytes or len(record) > max_record):
         raise ProtocolError(f"a hand-out's record is None or at most {max_record} bytes")
-    return HandOut(handle_from_wire(handle), number, object_id, record)
+    try:
+        handout = HandOut.from_words(words, record)
+    except ShmStoreError as exc:
+        raise ProtocolError(f"bad hand-out: {exc}") from None
+    if handout.number == 0:
+        raise ProtocolError("a hand-out's number is an int in [1, 2**64)")
+    return handout
 
 
 def int_list(values: Any, what: str) -> list[int]:
@@ -256,13 +258,16 @@ def _maybe_field(value: Any) -> str | None:
 
 
 def _handout_arg(value: Any) -> HandOut:
-    """A hand-out argument (to ask whether the store issued it): any number, shape checked."""
-    if not isinstance(value, list) or len(value) != 4:
-        raise ProtocolError("a hand-out is a list of 4 fields")
-    handle, number, object_id, record = value
-    if type(object_id) is not bytes or record is not None:
-        raise ProtocolError("a hand-out asked about: [handle, number, object id bytes, None]")
-    return HandOut(_handle_arg(handle), _number(number), object_id)
+    """A hand-out argument (to ask whether the store issued it): [words, None]; any number
+    the words carry (0 included: the store answers that it did not make it)."""
+    if not isinstance(value, list) or len(value) != 2 or value[1] is not None:
+        raise ProtocolError("a hand-out asked about is [words, None]")
+    try:
+        return HandOut.from_words(value[0])
+    except InvalidHandle as exc:  # well-typed words out of range: answered, as for a handle
+        if isinstance(value[0], list) and all(type(w) is int for w in value[0]):
+            raise
+        raise ProtocolError(f"bad hand-out: {exc}") from None
 
 
 def _flag(value: Any) -> bool:
@@ -290,6 +295,17 @@ def _number_out(value: Any) -> int:
     return int_arg(value, "number", -(1 << 63), (1 << 64) - 1)
 
 
+def _handout_out(handout: HandOut) -> HandOut:
+    """A hand-out the caller passed, as the wire carries it: not a HandOut, or a number that
+    is not an int, is the caller's mistake (InvalidArgument); an object id of another size
+    is InvalidHandle (HandOut.to_words), as a Handle's bad field is."""
+    if type(handout) is not HandOut:
+        raise InvalidArgument(f"a HandOut is asked about, got {type(handout).__name__}",
+                              "handout", handout)
+    number = _number_out(handout.number)
+    return handout._replace(number=max(number, 0))  # never handed out: 0 is never either
+
+
 _TO_WIRE: dict[str, Callable[[Any], Any]] = {
     HANDLE: handle_to_wire,
     KEYS: list,
@@ -298,8 +314,7 @@ _TO_WIRE: dict[str, Callable[[Any], Any]] = {
     NUMBERS: lambda values: [_number_out(v) for v in values],
     GROUPS: lambda groups: [[handle_to_wire(h), list(n)] for h, n in groups],
     FLAG: bool,
-    HANDOUT: lambda h: [handle_to_wire(h.handle), _number_out(h.number), bytes(h.object_id),
-                        None],
+    HANDOUT: lambda h: [list(_handout_out(h).to_words()), None],
 }
 
 

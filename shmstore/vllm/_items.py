@@ -3,20 +3,17 @@ replace them on the way to the workers.
 
 The handle item carries an `address` field (vLLM keeps items with one when prefix caching strips
 covered data, so every hand-out reaches the workers and is counted) and `shmstore_handle`: one
-HandOut (handle, object id, number) as seven ints, which survive vLLM's msgpack round trip (the
-object id lets a worker on another node find its relay's copy). `handle_item` writes them and
-`handout_from_item` reads them back, both by name (HANDLE_WORDS); nothing else reads the words.
+HandOut in its word form (HandOut.to_words: handle, number, object id as nine ints, which
+survive vLLM's msgpack round trip; the object id lets a worker on another node find its relay's
+copy). `handle_item` writes them and `handout_from_item` reads them back (HandOut.from_words).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import (
-    CorruptObject,
-    InvalidHandle,
-)
-from ..handle import Handle, HandOut
+from ..errors import CorruptObject, InvalidHandle
+from ..handle import HandOut
 from ._vllm import (
     MultiModalBatchedField,
     MultiModalFieldConfig,
@@ -26,14 +23,11 @@ from ._vllm import (
     MultiModalSharedField,
 )
 
-__all__ = ["HANDLE_FIELD", "HANDLE_WORDS", "item_to_value", "value_to_item", "handle_item",
+__all__ = ["HANDLE_FIELD", "item_to_value", "value_to_item", "handle_item",
            "handout_from_item", "handout_number"]
 
 
 HANDLE_FIELD = "shmstore_handle"
-# the words of a handle item, in order: the Handle's fields (its key digest as two words), then
-# the rest of the object id (the origin seq; the digest is its first 16 bytes), then the number
-HANDLE_WORDS = ("address", "seq", "digest_low", "digest_high", "epoch", "origin", "number")
 _FIELD_KINDS = {MultiModalFlatField: "flat", MultiModalSharedField: "shared",
                 MultiModalBatchedField: "batched"}
 
@@ -88,17 +82,10 @@ def value_to_item(value: Any) -> MultiModalKwargsItem:
 def handle_item(handout: HandOut) -> MultiModalKwargsItem:
     """The item a worker gets instead of the data: one hand-out (a worker counts each hand-out
     it reads for a request once)."""
-    handle = handout.handle
-    digest = handle.key_digest
-    words = {"address": handle.address, "seq": handle.seq,
-             "digest_low": int.from_bytes(digest[:8], "little"),
-             "digest_high": int.from_bytes(digest[8:], "little"), "epoch": handle.epoch,
-             "origin": int.from_bytes(handout.object_id[16:], "little"),
-             "number": handout.number}
     batched = MultiModalBatchedField()
     return MultiModalKwargsItem({
-        "address": MultiModalFieldElem(data=handle.address, field=batched),
-        HANDLE_FIELD: MultiModalFieldElem(data=[words[w] for w in HANDLE_WORDS], field=batched),
+        "address": MultiModalFieldElem(data=handout.handle.address, field=batched),
+        HANDLE_FIELD: MultiModalFieldElem(data=list(handout.to_words()), field=batched),
     })
 
 
@@ -107,18 +94,10 @@ def handout_from_item(item: Any) -> HandOut | None:
     malformed."""
     if item is None or HANDLE_FIELD not in item:
         return None
-    data = item[HANDLE_FIELD].data
-    if (not isinstance(data, (list, tuple)) or len(data) != len(HANDLE_WORDS)
-            or any(type(w) is not int or not 0 <= w < 1 << 64 for w in data)):
-        raise ValueError(f"malformed shmstore handle item: expected {len(HANDLE_WORDS)} "
-                         "unsigned 64-bit ints")
-    w = dict(zip(HANDLE_WORDS, data, strict=True))
-    digest = w["digest_low"].to_bytes(8, "little") + w["digest_high"].to_bytes(8, "little")
     try:
-        handle = Handle(w["address"], w["seq"], digest, w["epoch"])
-    except (InvalidHandle, ValueError, TypeError) as exc:
+        return HandOut.from_words(item[HANDLE_FIELD].data)
+    except InvalidHandle as exc:  # a ValueError
         raise ValueError(f"malformed shmstore handle item: {exc}") from None
-    return HandOut(handle, w["number"], digest + w["origin"].to_bytes(8, "little"))
 
 
 def handout_number(item: Any) -> int | None:

@@ -15,6 +15,7 @@ from shmstore.cache._caches import (
     ReceiverCache,
     SenderCache,
 )
+from shmstore.handle import HANDOUT_WORDS, HandOut
 from tests._names import CorruptObject, InvalidArgument, InvalidKey, StaleHandle
 
 N_READERS = 2
@@ -266,17 +267,25 @@ def test_a_shm_receiver_checks_a_hand_out_and_counts_it_once(name: str) -> None:
     h = Harness("shm-fifo", name)
     try:
         payload = h.sender.process("k", lambda: obj(1))
-        assert payload[0] == PAYLOAD_HANDLE and len(payload) == 4
-        store, handle = h.sender.store, payload[1]
-        forged = (PAYLOAD_HANDLE, handle, payload[2] + 1000, payload[3])
+        assert payload[0] == PAYLOAD_HANDLE and len(payload) == 2
+        made = HandOut.from_words(payload[1])
+        store, handle = h.sender.store, made.handle
+
+        def said(**changes: Any) -> tuple[int, tuple[int, ...]]:
+            return (PAYLOAD_HANDLE, made._replace(**changes).to_words())
+
+        forged = said(number=made.number + 1000)
         with pytest.raises(StaleHandle, match="never made"):
             h.receivers[0].resolve(forged)
         with pytest.raises(StaleHandle):
             with h.receivers[0].resolve_view(forged):
                 pass
-        with pytest.raises(CorruptObject, match="same cache kind"):
-            h.receivers[0].resolve((PAYLOAD_HANDLE, handle, "2", payload[3]))
-        moved = (PAYLOAD_HANDLE, handle, payload[2], handle.key_digest + b"\x09" * 8)
+        number_at = HANDOUT_WORDS.index("number")
+        for bad_words in ([*payload[1][:number_at], "2", *payload[1][number_at + 1:]],
+                          payload[1][:-1], [*payload[1], 0]):
+            with pytest.raises(CorruptObject, match="same cache kind"):
+                h.receivers[0].resolve((PAYLOAD_HANDLE, bad_words))
+        moved = said(object_id=handle.key_digest + b"\x09" * 8)
         with pytest.raises(StaleHandle):
             h.receivers[0].resolve(moved)  # another origin: not these bytes
         assert store.unread(handle) == (1,) * N_READERS  # nothing was read by the refusals

@@ -103,6 +103,31 @@ def test_handle_is_small_and_roundtrips_through_msgpack(store) -> None:
     assert Handle.unpack(msgpack.unpackb(msgpack.packb(h.pack()))) == h
 
 
+def test_a_hand_outs_words_round_trip_through_msgpack_and_refuse_anything_else(store) -> None:
+    import msgpack
+
+    from shmstore.handle import HANDOUT_WORDS, HandOut
+
+    w, _ = store
+    made = w.hand_out_new("k", 1)
+    again = w.hand_out_cached(["k"], field="absent")[0]
+    assert again is not None
+    for handout in (made, again, made._replace(record=b"r")):
+        words = handout.to_words()
+        assert len(words) == len(HANDOUT_WORDS) and all(0 <= x < 1 << 64 for x in words)
+        back = HandOut.from_words(msgpack.unpackb(msgpack.packb(words)), handout.record)
+        assert back == handout and w.issued("k", back)  # the record travels beside the words
+    words = list(made.to_words())
+    for bad in (None, "words", words[:-1], [*words, 0], [*words[:-1], -1],
+                [*words[:-1], 1 << 64], [*words[:-1], True], [*words[:-1], 1.0]):
+        with pytest.raises(InvalidHandle, match="unsigned 64-bit"):
+            HandOut.from_words(bad)
+    for wrong in (made._replace(number=-1), made._replace(number=1.0),
+                  made._replace(object_id=b"short"), made._replace(object_id="x" * 24)):
+        with pytest.raises(InvalidHandle):
+            wrong.to_words()
+
+
 def test_duplicate_key_is_refused(store) -> None:
     w, _ = store
     w.put("k", 1)

@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from shmstore.handle import HANDOUT_WORDS, HandOut
 from shmstore.local import _service as service
 from shmstore.store import _wire
 from shmstore.store._host import WriterHost, host_address
@@ -68,6 +69,12 @@ def test_remote_put_is_one_store_for_both_writers(hosted) -> None:
         again = writer.get_cached("a")  # a hit of the host's own thread
     assert again == handle and client.get_cached("a") == handle and writer.handout_seq == 3
     assert client.issued("a", made) and not client.issued("b", made)
+    for never in (0, -1, 1 << 40):  # answered as the writer answers, through the words
+        with lock:
+            assert not writer.issued("a", made._replace(number=never))
+        assert not client.issued("a", made._replace(number=never))
+    with pytest.raises(InvalidArgument):  # the caller's mistake, refused before it is sent
+        client.issued("a", made._replace(number=1.5))
     for r in readers:
         for _ in range(3):
             np.testing.assert_array_equal(r.get(handle)["x"], blob(1))
@@ -398,15 +405,22 @@ def test_a_host_sending_a_bad_hand_out_reply_closes_the_client(hosted, monkeypat
     writer, _, client, _, lock = hosted
     with lock:
         handle = writer.put("a", {"rec": b"x"})
-    wire_handle = _wire.handle_to_wire(handle)
-    object_id = writer.object_id("a")
-    for reply in ([[wire_handle, 2, object_id, "a str"]],  # a record that is not bytes
-                  [[wire_handle, 2, object_id, b"r" * (_wire.MAX_PEEK_BYTES + 1)]],  # too long
-                  [[wire_handle, 2, object_id]],  # too short
-                  [[wire_handle, 0, object_id, None]],  # no hand-out has number 0
-                  [[wire_handle, True, object_id, None]],  # a number that is not an int
-                  [[wire_handle, 2, b"id", None]],  # an object id of the wrong size
-                  [[wire_handle[:3], 2, object_id, None]],  # a handle of three fields
+    words = list(HandOut(handle, 2, writer.object_id("a")).to_words())
+    number_at = HANDOUT_WORDS.index("number")
+
+    def said(at: int, word: object) -> list[object]:
+        return [*words[:at], word, *words[at + 1:]]
+
+    for reply in ([[words, "a str"]],  # a record that is not bytes
+                  [[words, b"r" * (_wire.MAX_PEEK_BYTES + 1)]],  # too long
+                  [[words]],  # too short
+                  [[words, None, None]],  # too long a hand-out
+                  [[said(number_at, 0), None]],  # no hand-out has number 0
+                  [[said(number_at, True), None]],  # a number that is not an int
+                  [[said(number_at, 1 << 64), None]],  # a word out of range
+                  [[said(0, -1), None]],  # an address out of range
+                  [[words[:-1], None]],  # an object id of the wrong size
+                  [[[*words, 0], None]],  # a word too many
                   [None, None]):  # two answers to one key
         monkeypatch.setattr(client, "_call", lambda *a, r=reply: r)
         with pytest.raises(Closed, match="malformed"):

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from shmstore.handle import HANDOUT_WORDS
 from shmstore.store import _wire
 from shmstore.store._host import WriterHost, host_address
 from shmstore.store._remote import RemoteWriter
@@ -239,13 +240,16 @@ def test_6_a_wrong_but_well_typed_argument_is_answered_not_dropped(hosted) -> No
         assert _wire.recv_frame(sock)[:2] == [1, "InvalidHandle"]  # answered, not dropped
         _wire.send_frame(sock, ["len"])
         assert _wire.recv_frame(sock) == [0, 1]
-        wire_handle = _wire.handle_to_wire(h)
-        for bad in ([wire_handle, n + 1, made.object_id, None],  # a number not made yet
-                    [wire_handle, n, b"x" * 24, None],  # another object's id
-                    [wire_handle, -1, made.object_id, None]):  # a number never made
-            _wire.send_frame(sock, ["issued", "a", bad])
+        for bad in (made._replace(number=n + 1),  # a number not made yet
+                    made._replace(object_id=b"x" * 24),  # another object's id
+                    made._replace(number=0)):  # a number never made
+            _wire.send_frame(sock, ["issued", "a", [list(bad.to_words()), None]])
             assert _wire.recv_frame(sock) == [0, False]  # answered: not issued
-        _wire.send_frame(sock, ["issued", "a", [wire_handle, n, made.object_id, None]])
+        words = list(made.to_words())
+        words[HANDOUT_WORDS.index("number")] = -1  # well typed, out of every word's range
+        _wire.send_frame(sock, ["issued", "a", [words, None]])
+        assert _wire.recv_frame(sock)[:2] == [1, "InvalidHandle"]  # answered, not dropped
+        _wire.send_frame(sock, ["issued", "a", [list(made.to_words()), None]])
         assert _wire.recv_frame(sock) == [0, True]
     finally:
         sock.close()

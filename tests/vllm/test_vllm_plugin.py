@@ -36,6 +36,7 @@ from vllm.multimodal.inputs import (  # noqa: E402
 )
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
+from shmstore.handle import HANDOUT_WORDS  # noqa: E402
 from shmstore.relay import (  # noqa: E402
     CurveKeys,
     NodeChannel,
@@ -53,7 +54,7 @@ from shmstore.vllm._env import (  # noqa: E402
     WAIT_ENV,
 )
 from shmstore.vllm._install import _remove_if_orphaned  # noqa: E402
-from shmstore.vllm._items import HANDLE_FIELD, HANDLE_WORDS, handout_from_item  # noqa: E402
+from shmstore.vllm._items import HANDLE_FIELD, handout_from_item  # noqa: E402
 from shmstore.vllm._receiver import ShmstoreReceiverCache  # noqa: E402
 from shmstore.vllm._sender import ShmstoreSenderCache  # noqa: E402
 from tests._names import Channel, Closed, InvalidArgument, ObjectStore, SegmentNotFound  # noqa: E402
@@ -271,9 +272,10 @@ def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: An
     forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
     with pytest.raises(ValueError, match="did not issue"):
         sender.validate_input_item(forged, "h5")
-    for number in (0, words[6] + (1 << 40)):  # a hand-out the store never made: the worker
+    at = HANDOUT_WORDS.index("number")
+    for number in (0, words[at] + (1 << 40)):  # a hand-out the store never made: the worker
         words = list(out[HANDLE_FIELD].data)  # refuses it, and so does the API server
-        words[6] = number
+        words[at] = number
         forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
         with pytest.raises(ValueError, match="did not issue"):
             sender.validate_input_item(forged, "h5")
@@ -290,17 +292,19 @@ def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: An
         sender.validate_input_item(out, "h5")  # stale
 
 
-@pytest.mark.parametrize(("word", "change"), [("origin", 1), ("origin", -1),
-                                              ("number", 1 << 40), ("number", None)])
-def test_a_worker_refuses_a_handle_item_whose_origin_or_hand_out_word_is_wrong(
+@pytest.mark.parametrize(("word", "change"), [("id_2", 1), ("id_2", -1), ("id_0", 1),
+                                              ("id_1", -1), ("number", 1 << 40),
+                                              ("number", None)])
+def test_a_worker_refuses_a_handle_item_whose_object_id_or_hand_out_word_is_wrong(
         caches: Any, word: str, change: int | None) -> None:
-    """Every word of a handle item is checked, not the first five only: a damaged or replayed
-    origin or hand-out number takes no read another request still needs."""
+    """Every word of a handle item is checked, not the handle's only: a damaged object id
+    (its origin seq, or a digest that is not the handle's) or a replayed hand-out number takes
+    no read another request still needs."""
     sender, receivers = caches
     out, _ = sender.get_and_update_item((image_item(8), []), "h8")
     handle = handout_from_item(out).handle
     words = list(out[HANDLE_FIELD].data)
-    at = HANDLE_WORDS.index(word)
+    at = HANDOUT_WORDS.index(word)
     words[at] = 0 if change is None else words[at] + change
     bad = MultiModalKwargsItem(dict(out))
     bad[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
