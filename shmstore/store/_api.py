@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import KeyNotCached
 from ..handle import Handle, HandOut
 
-__all__ = ["WriterAPI"]
+__all__ = ["WriterAPI", "HandleVerbs"]
 
 
 @runtime_checkable
@@ -21,8 +22,9 @@ class WriterAPI(Protocol):
     """What a store's writer does, for the layers above: hand objects out (as HandOut values,
     whatever the number of keys: a remote writer batches them itself), take hand-outs back or
     narrow them, and drop objects. One thread at a time; handles stay valid as StoreWriter's
-    docstring says. StoreWriter offers more (put and get_cached returning a bare Handle,
-    reserve, stats) for code that holds it directly."""
+    docstring says. Every writer also has HandleVerbs' conveniences (put and get_cached,
+    returning a bare Handle); StoreWriter offers more (reserve, stats) for code that holds it
+    directly."""
 
     name: str
     n_readers: int
@@ -79,3 +81,26 @@ class WriterAPI(Protocol):
 
     def close(self) -> None:
         """Release what this writer holds; idempotent."""
+
+
+class HandleVerbs:
+    """The bare-Handle verbs every writer has, each a thin turn of a HandOut verb, for code
+    that never names a hand-out (a reader reads by the Handle alone)."""
+
+    def put(self: WriterAPI, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
+        """hand_out_new(key, obj, timeout).handle: store `obj` under `key`, handed out once.
+        Raises as hand_out_new (KeyExists: `key` is cached, use get_cached)."""
+        return self.hand_out_new(key, obj, timeout).handle
+
+    def get_cached(self: WriterAPI, key: str | bytes) -> Handle:
+        """hand_out_cached([key])[0].handle: the object of `key` handed out once more.
+
+        Raises:
+            KeyNotCached: the key was never put or has been evicted (put it again).
+            InvalidKey: `key` is not a non-empty str or bytes.
+        """
+        found = self.hand_out_cached([key])[0]
+        if found is None:
+            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
+                               "or cleared): put it again", key)
+        return found.handle

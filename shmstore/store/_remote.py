@@ -20,7 +20,6 @@ from ..errors import (
     Closed,
     IncompatibleSegment,
     InvalidArgument,
-    KeyNotCached,
     ProtocolError,
     SegmentNotFound,
     ShmStoreError,
@@ -34,6 +33,7 @@ from ..shm._readers import check_reader_index
 from ..shm._ring import ShmRingBuffer
 from ..shm._segment import ALIGN_BYTES
 from ..shm._wait import Deadline
+from ._api import HandleVerbs
 from ._host import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, host_address
 from ._wire import (
     KEY,
@@ -58,7 +58,7 @@ WAIT_NOTICE_S = 1.0  # a connect still waiting after this long says so, once
 log = logging.getLogger("shmstore")
 
 
-class RemoteWriter(Closeable):
+class RemoteWriter(HandleVerbs, Closeable):
     """The writer of store `name`, called from another process of the same user through the
     writer process's WriterHost: WriterAPI (hand-outs as HandOut values, any number of keys:
     batches of MAX_KEYS go in one round trip each), and put, get_cached and is_cached as
@@ -207,14 +207,6 @@ class RemoteWriter(Closeable):
             out.extend(None if f is None else self._handout(f) for f in found)
         return out
 
-    def get_cached(self, key: str | bytes) -> Handle:
-        """As StoreWriter.get_cached (KeyNotCached if `key` is not cached)."""
-        found = self.hand_out_cached([key])[0]
-        if found is None:
-            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
-                               "or cleared): put it again", key)
-        return found.handle
-
     def issued(self, key: str | bytes, handout: HandOut) -> bool:
         return bool(self._call("issued", key, handout))
 
@@ -266,10 +258,6 @@ class RemoteWriter(Closeable):
 
     def clear(self, *, keep_handed_out: bool = False) -> None:
         self._call("clear", keep_handed_out)
-
-    def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
-        """Store `obj` as StoreWriter.put does (timeout 0 only: the host never waits)."""
-        return self.hand_out_new(key, obj, timeout).handle
 
     def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
         """As StoreWriter.hand_out_new (timeout 0 only: the host never waits). The body is

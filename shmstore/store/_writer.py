@@ -44,6 +44,7 @@ from ..shm._closeable import CallGuard
 from ..shm._readers import Liveness
 from ..shm._ring import RingWriter
 from ..shm._wait import Deadline, checked_wait, wait_until
+from ._api import HandleVerbs
 from ._base import StoreBase, StoreStats
 from ._guards import Done, hands_out, one_thread
 from ._handouts import HandOuts, object_id
@@ -84,7 +85,7 @@ class Reservation:
                 view.flags.writeable = False  # the object is published (or abandoned)
 
 
-class StoreWriter(StoreBase):
+class StoreWriter(HandleVerbs, StoreBase):
     """The single writer: put, get_cached, give_back, clear, stats. Keeps the key index.
 
     Only the process that created the store may call it. Handles it returns stay valid until
@@ -168,8 +169,9 @@ class StoreWriter(StoreBase):
 
     # -- the API -----------------------------------------------------------------------------
 
-    def put(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> Handle:
-        """Store `obj` under `key` and hand it out once; return its Handle.
+    def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
+        """Store `obj` under `key` and hand it out once; return the HandOut. `obj` may also be
+        a value already encoded with serde.encode (no second walk over it).
 
         One copy: each array/tensor is copied from its own memory straight into the ring.
 
@@ -178,23 +180,11 @@ class StoreWriter(StoreBase):
                 not wait, None waits without limit, t waits up to t seconds.
 
         Raises:
-            KeyExists: `key` is cached (use get_cached).
+            KeyExists: `key` is cached (use get_cached or hand_out_cached).
             ObjectTooLarge: the serialized object exceeds max_object_bytes.
             NotSerializable: `obj` holds something the serializer cannot carry (with its path).
             StoreFull: the oldest object is still owed to a reader (named in the message).
         """
-        check_key(key)
-        return self.put_encoded(key, encode(obj), timeout)
-
-    @hands_out
-    def put_encoded(self, done: Done, key: str | bytes, enc: Encoded,
-                    timeout: float | None = 0) -> Handle:
-        """put() of a value already encoded with serde.encode (no second walk over it)."""
-        return self._put(key, enc, checked_wait(timeout), done).handle
-
-    def hand_out_new(self, key: str | bytes, obj: Any, timeout: float | None = 0) -> HandOut:
-        """put(), returning the HandOut (its number and object id with the handle); `obj` may
-        also be a value already encoded with serde.encode."""
         check_key(key)
         return self._hand_out_new(key, obj if isinstance(obj, Encoded) else encode(obj),
                                   timeout)
@@ -250,20 +240,6 @@ class StoreWriter(StoreBase):
             if entry is not None:
                 entry.reserved = False  # an orphan now (unless published): freed in turn
             raise
-
-    @hands_out
-    def get_cached(self, done: Done, key: str | bytes) -> Handle:
-        """Hand the object of `key` out once more (one more read owed by every reader).
-
-        Raises:
-            KeyNotCached: the key was never put or has been evicted (put it again).
-        """
-        check_key(key)
-        found = self._hit(key, done)
-        if found is None:
-            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, "
-                               "evicted or cleared): put it again", key)
-        return found.handle
 
     def hand_out_cached(self, keys: Iterable[str | bytes], field: str | None = None
                         ) -> list[HandOut | None]:

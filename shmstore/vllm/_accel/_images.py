@@ -46,8 +46,24 @@ __all__ = ["LazyImage", "lazy_loader", "install", "release", "realize", "unreali
            "pending", "realize_misses", "decode_new_at_once", "SeenPhotos"]
 
 ORIENTATION = 0x0112  # the EXIF tag vLLM's exif_transpose acts on (values 2..8 rotate)
-_WANTED = [0]  # this process's senders that want images lazy (install/release)
-_NEW_AT_ONCE = [0]  # of those, the ones that want a photo not seen before decoded at once
+
+
+class Wanted:
+    """How many of this process's senders want a way of loading: on while any does (a sender
+    says so when it opens and again when it closes)."""
+
+    def __init__(self) -> None:
+        self.senders = 0
+
+    def __bool__(self) -> bool:
+        return self.senders > 0
+
+    def say(self, on: bool) -> None:
+        self.senders = max(0, self.senders + (1 if on else -1))
+
+
+_LAZY = Wanted()  # images lazy (install/release)
+_NEW_AT_ONCE = Wanted()  # of those, a photo not seen before decoded at once
 SEEN_PHOTOS = 1 << 16  # photos remembered as seen (about 125 bytes each: 8 MB in all)
 SAMPLE_BYTES = 4096  # a photo is known by its size and its first and last bytes
 
@@ -80,7 +96,7 @@ _SEEN = SeenPhotos()
 def decode_new_at_once(on: bool) -> None:
     """One sender of this process wants (on) or no longer wants (off) a photo this process has
     not loaded before decoded at once (counted, as install/release)."""
-    _NEW_AT_ONCE[0] = max(0, _NEW_AT_ONCE[0] + (1 if on else -1))
+    _NEW_AT_ONCE.say(on)
 
 
 class LazyImage(MediaWithBytes):  # type: ignore[misc]
@@ -111,7 +127,7 @@ def lazy_loader(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes],
         header = _header(data)
         if header is None or not _needs_no_conversion(header, self.image_mode):
             return original(self, data)
-        if _NEW_AT_ONCE[0] and _SEEN.first_sight(data):
+        if _NEW_AT_ONCE and _SEEN.first_sight(data):
             return original(self, data)  # new: decoded here, as vLLM decodes it
         decoder = charge_decoded(self, *header.size)  # 0.33's budget, charged now as vLLM does
         media = LazyImage(header, data, None)
@@ -126,14 +142,14 @@ def install() -> bool:
     that installed it is open); False where this vLLM cannot."""
     if not install_image_loader(_while_wanted):
         return False
-    _WANTED[0] += 1
+    _LAZY.say(True)
     return True
 
 
 def release() -> None:
     """One sender that installed lazy loading closed (its acceleration is over): loading is
     vLLM's own again once no sender wants it lazy."""
-    _WANTED[0] = max(0, _WANTED[0] - 1)
+    _LAZY.say(False)
 
 
 def _while_wanted(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes], Any]:
@@ -142,7 +158,7 @@ def _while_wanted(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes
 
     @functools.wraps(original)
     def load_bytes(self: Any, data: bytes) -> Any:
-        return lazy(self, data) if _WANTED[0] else original(self, data)
+        return lazy(self, data) if _LAZY else original(self, data)
     return load_bytes
 
 
