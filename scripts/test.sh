@@ -3,10 +3,11 @@
 # compiled part's strict build and sanitizer run, and the strict docs build.
 #   scripts/test.sh [PYTEST ARGS...]   (the arguments select tests in each pytest run)
 # Each step says how long it took. Steps that leave a core idle run beside each other: the
-# sanitizer run (one process) beside the docs build and vLLM 0.33's checks; the tests that start
-# vLLM, a server or a relay (one at a time: each server wants the machine, and spends much of
-# its start waiting) beside the tests that start none (two processes). The tests that look at
-# all of /dev/shm (marked alone) run last, by themselves.
+# tests that start vLLM, a server or a relay (one at a time: each server wants the machine, and
+# spends much of its start waiting) from the moment the environment is set up, beside every
+# other step: the linters, the sanitizer run (one process), the docs build, vLLM 0.33's checks,
+# then the tests that start no server (two processes). The tests that look at all of /dev/shm
+# (marked alone) run last, by themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOGS=$(mktemp -d -t shmstore-test.XXXXXX)
@@ -59,6 +60,11 @@ pytest_run() {  # a selection (arguments) that leaves a run empty is not a failu
 }
 
 step setup scripts/setup.sh
+# every session until the last runs beside another: each counts only its own segments as leaks;
+# the last (the alone tests, by itself) counts every dead writer's segment made since now
+export SHMSTORE_TEST_BESIDE=1 SHMSTORE_TEST_SINCE_NS
+SHMSTORE_TEST_SINCE_NS=$(date +%s%N)
+beside serving pytest_run -m "serving and not alone" --durations=10 "$@"
 step ruff .venv/bin/python -m ruff check shmstore tests bench examples fuzz
 step mypy .venv/bin/python -m mypy
 # the C part: -Wall -Wextra -Werror, ASan and UBSan
@@ -70,7 +76,7 @@ step core_without_vllm env SHMSTORE_TEST_WITHOUT_VLLM=1 \
 # vLLM 0.33 (CUDA build only): the door and the item tests against it
 step vllm_next scripts/check-vllm-next.sh
 joined native
-beside serving pytest_run -m "serving and not alone" --durations=10 "$@"
 step no_server pytest_run -n 2 -m "not serving and not alone" --durations=15 "$@"
 joined serving
+export SHMSTORE_TEST_BESIDE=0  # by itself now
 step alone pytest_run -m alone --durations=10 "$@"

@@ -31,7 +31,11 @@ if os.environ.get("SHMSTORE_TEST_WITHOUT_VLLM") == "1":
 
     sys.modules["vllm"] = None  # type: ignore[assignment]
 
-SESSION_START_NS = time.time_ns()
+# scripts/test.sh runs sessions beside each other (SHMSTORE_TEST_BESIDE=1: each counts only the
+# segments named with its own prefix as its leaks), then one by itself that counts every
+# shmstore segment of a dead writer made since the first of them began (SHMSTORE_TEST_SINCE_NS)
+BESIDE = os.environ.get("SHMSTORE_TEST_BESIDE") == "1"
+SESSION_START_NS = int(os.environ.get("SHMSTORE_TEST_SINCE_NS") or time.time_ns())
 # One token per test session, inherited by the processes it spawns: the leak check below only
 # ever removes this session's segments, never those of a run beside it.
 SESSION = os.environ.setdefault("SHMSTORE_TEST_SESSION", secrets.token_hex(3))
@@ -60,12 +64,16 @@ def leftover_segments() -> list[str]:
     """shmstore segments made during this session (or with its test prefix) still in /dev/shm.
 
     A segment under another name counts when it was made after the session started and its
-    writer is gone (or is this process): a live writer elsewhere is another run's, not a leak."""
+    writer is gone (or is this process): a live writer elsewhere is another run's, not a leak.
+    Beside another session (BESIDE) only the prefix counts: the other's writer may have died a
+    moment ago, its tracker not done yet; the session run last by itself counts the others."""
     found = []
     for entry in os.listdir(SHM_DIR):
         path = os.path.join(SHM_DIR, entry)
         if entry.startswith(NAME_PREFIX) or entry.startswith("sem." + NAME_PREFIX):
             found.append(entry)
+            continue
+        if BESIDE:
             continue
         try:  # only regular files: opening a FIFO someone left here would block
             if not stat.S_ISREG(os.lstat(path).st_mode):
