@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +34,8 @@ _U64_LIMIT = 1 << 64
 # ints, in this order (byte strings as little-endian words); a record travels beside them
 HANDOUT_WORDS = ("address", "seq", "digest_low", "digest_high", "epoch", "number", "id_0",
                  "id_1", "id_2")
+_WORDS = struct.Struct(f"<{len(HANDOUT_WORDS)}Q")
+_HANDOUT_BYTES = struct.Struct(f"<QQ{KEY_DIGEST_BYTES}sQQ{OBJECT_ID_BYTES}s")  # the same bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,8 @@ class HandOut(NamedTuple):
         if type(object_id) is not bytes or len(object_id) != OBJECT_ID_BYTES:
             raise InvalidHandle(f"HandOut.object_id must be {OBJECT_ID_BYTES} bytes, got "
                                 f"{object_id!r:.60}")
-        return (h.address, h.seq, *_words(h.key_digest), h.epoch, number, *_words(object_id))
+        return _WORDS.unpack(_HANDOUT_BYTES.pack(h.address, h.seq, h.key_digest, h.epoch, number,
+                                                 object_id))
 
     @classmethod
     def from_words(cls, words: object, record: bytes | None = None) -> HandOut:
@@ -129,27 +131,21 @@ class HandOut(NamedTuple):
         Raises:
             InvalidHandle: not HANDOUT_WORDS' nine ints in [0, 2**64) in a list or tuple.
         """
-        if (not isinstance(words, (list, tuple)) or len(words) != len(HANDOUT_WORDS)
-                or any(type(w) is not int or not 0 <= w < _U64_LIMIT for w in words)):
+        try:
+            if type(words) not in (list, tuple) or not all(type(w) is int for w in words):
+                raise struct.error
+            address, seq, digest, epoch, number, object_id = _HANDOUT_BYTES.unpack(
+                _WORDS.pack(*words))
+        except struct.error:  # not nine ints, or one outside [0, 2**64)
             raise InvalidHandle(f"a hand-out's words are {len(HANDOUT_WORDS)} unsigned 64-bit "
-                                f"ints ({', '.join(HANDOUT_WORDS)}), got {words!r:.120}")
-        address, seq, low, high, epoch, number, *object_id = words
-        digest = _bytes((low, high))
-        return cls(Handle(address, seq, digest, epoch), number, _bytes(object_id), record)
+                                f"ints ({', '.join(HANDOUT_WORDS)}), got {words!r:.120}") from None
+        return cls(Handle(address, seq, digest, epoch), number, object_id, record)
 
     @property
     def origin(self) -> int:
         """The seq the bytes were first put at (the object id's last 8 bytes, little-endian):
         StoreReader.get(origin=...) checks it."""
         return int.from_bytes(self.object_id[KEY_DIGEST_BYTES:], "little")
-
-
-def _words(data: bytes) -> tuple[int, ...]:
-    return tuple(int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8))
-
-
-def _bytes(words: Sequence[int]) -> bytes:
-    return b"".join(w.to_bytes(8, "little") for w in words)
 
 
 def check_key(key: object) -> str | bytes:
