@@ -132,7 +132,7 @@ class HandOut(NamedTuple):
             InvalidHandle: not HANDOUT_WORDS' nine ints in [0, 2**64) in a list or tuple.
         """
         try:
-            if type(words) not in (list, tuple) or not all(type(w) is int for w in words):
+            if not isinstance(words, (list, tuple)) or not all(type(w) is int for w in words):
                 raise struct.error
             address, seq, digest, epoch, number, object_id = _HANDOUT_BYTES.unpack(
                 _WORDS.pack(*words))

@@ -77,7 +77,7 @@ __all__ = ["BaseMultiModalProcessorCache", "BaseMultiModalReceiverCache",
            "bind_cache_factories", "install_hooks", "ResolvedPromptUpdate",
            "PromptUpdateDetails", "PromptIndexTargets", "UpdateMode", "FACTORY_CODES",
            "records_supported", "vllm_version", "kwargs_digest", "MediaWithBytes",
-           "open_image", "install_image_loader", "max_image_pixels", "charge_decoded",
+           "open_image", "install_image_loader", "install_hash_memo", "max_image_pixels", "charge_decoded",
            "refused_on_arrival", "run_cli",
            "serve_parser", "SHAPES", "ITEM_SHAPES", "missing_shapes", "missing_hook_points", "request_id_of",
            "feature_data", "features_with_data", "new_requests", "resolve_new_request",
@@ -132,6 +132,8 @@ SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
     # the miss pool's private calls: a request's item hashes, one item's cached processing
     ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor"): (
         "_get_mm_hashes", "_cached_apply_hf_processor"),
+    # an item's hash, kept on a lazy image for the second time a request asks
+    ("vllm.multimodal.hasher", "MultiModalHasher"): ("hash_kwargs",),
 }
 ITEM_SHAPES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm.multimodal.inputs", "MultiModalFieldElem"): ("data", "field"),
@@ -403,6 +405,32 @@ def install_image_loader(make: Callable[[Callable[..., Any]], Callable[..., Any]
         loader._shmstore_hook = True  # type: ignore[attr-defined]
         ImageMediaIO.load_bytes = loader
     return True
+
+def install_hash_memo(memo_of: Callable[[Any], dict[Any, str] | None]) -> None:
+    """Replace MultiModalHasher.hash_kwargs, once, by one that answers a call hashing one item
+    alone (the model's id and the item, no other factor) from `memo_of(item)` after the first
+    (a dict kept on the item, whose bytes never change; None: not kept, hashed as vLLM does).
+    The miss pool's sender hashes a request's items before vLLM's processor hashes them again."""
+    original = MultiModalHasher.hash_kwargs.__func__
+    if getattr(original, "_shmstore_hook", False):
+        return
+
+    def hash_kwargs(cls: Any, algorithm: Any, /, **kwargs: Any) -> str:
+        if len(kwargs) == 2 and "model_id" in kwargs:
+            ((name, item),) = ((k, v) for k, v in kwargs.items() if k != "model_id")
+            memo = memo_of(item)
+            if memo is not None:
+                key = (algorithm, kwargs["model_id"], name)
+                found = memo.get(key)
+                if found is None:
+                    found = memo[key] = original(cls, algorithm, **kwargs)
+                return found
+        return original(cls, algorithm, **kwargs)  # type: ignore[no-any-return]
+
+    hash_kwargs._shmstore_hook = True  # type: ignore[attr-defined]
+    hash_kwargs.__wrapped__ = original  # type: ignore[attr-defined]
+    MultiModalHasher.hash_kwargs = classmethod(hash_kwargs)
+
 
 # modules that import the cache factories by name: each gets the plugin's
 FACTORY_IMPORTERS = ("vllm.multimodal.cache.factories", "vllm.multimodal.cache",

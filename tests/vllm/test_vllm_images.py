@@ -258,3 +258,43 @@ def test_new_photos_decode_at_once_only_while_a_sender_wants_it(
     assert not isinstance(first, LazyImage) and isinstance(again, LazyImage)
     assert outcome(LAZY, data) == outcome(EAGER, data)
     assert isinstance(LAZY(ImageMediaIO(), encoded(seed=51)), LazyImage)  # no one wants it
+
+
+def test_a_lazy_image_is_hashed_once_however_often_its_request_asks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The miss pool's sender hashes a request's items, then vLLM's processor hashes them
+    again: the second time is answered from the lazy image (its bytes never change), and
+    only where the hash is of the item alone; every answer is vLLM's own hash."""
+    from shmstore.vllm._accel import _images
+    from shmstore.vllm._vllm import install_hash_memo
+
+    install_hash_memo(_images._hashes_of)  # as a sender's install() does
+    data = encoded(seed=5)
+    lazy, eager = LAZY(ImageMediaIO(image_mode="RGB"), data), EAGER(ImageMediaIO(image_mode="RGB"), data)
+    assert isinstance(lazy, LazyImage) and not isinstance(eager, LazyImage)
+    hashed: list[str] = []
+    walk = MultiModalHasher.iter_item_to_bytes.__func__
+
+    def counting(cls: Any, key: str, obj: object) -> Any:
+        if obj is lazy:
+            hashed.append(key)
+        return walk(cls, key, obj)
+
+    monkeypatch.setattr(MultiModalHasher, "iter_item_to_bytes", classmethod(counting))
+
+    def both(algorithm: str = "blake3", **kwargs: Any) -> tuple[str, str]:
+        return (MultiModalHasher.hash_kwargs(algorithm, **kwargs, image=lazy),
+                MultiModalHasher.hash_kwargs(algorithm, **kwargs, image=eager))
+
+    for _ in range(3):
+        mine, vllms = both(model_id="m")
+        assert mine == vllms
+    assert hashed == ["image"]  # once for three asks
+    for algorithm, kwargs in (("blake3", {"model_id": "other"}), ("sha256", {"model_id": "m"})):
+        mine, vllms = both(algorithm, **kwargs)  # another model or algorithm: its own hash
+        assert mine == vllms and both(algorithm, **kwargs)[0] == mine
+    assert len(hashed) == 3
+    for _ in range(2):  # another factor in the hash: hashed each time, as vLLM hashes it
+        mine, vllms = both(model_id="m", mm_processor_kwargs={"num_crops": 4})
+        assert mine == vllms
+    assert len(hashed) == 5

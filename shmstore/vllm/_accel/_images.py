@@ -35,6 +35,7 @@ from typing import Any
 from .._vllm import (
     MediaWithBytes,
     charge_decoded,
+    install_hash_memo,
     install_image_loader,
     io_settings,
     items_data,
@@ -139,11 +140,20 @@ def lazy_loader(original: Callable[[Any, bytes], Any]) -> Callable[[Any, bytes],
 
 def install() -> bool:
     """Make this process's image loading lazy until `release` (counted: lazy while any sender
-    that installed it is open); False where this vLLM cannot."""
+    that installed it is open); False where this vLLM cannot. A lazy image keeps its hash: the
+    miss pool's sender hashes a request's items, then vLLM's processor asks again."""
     if not install_image_loader(_while_wanted):
         return False
+    install_hash_memo(_hashes_of)
     _LAZY.say(True)
     return True
+
+
+def _hashes_of(item: Any) -> dict[Any, str] | None:
+    """Where a lazy image keeps its hashes (its bytes never change); None for anything else."""
+    if type(item) is not LazyImage:
+        return None
+    return item.__dict__.setdefault("_hashes", {})  # type: ignore[no-any-return]
 
 
 def release() -> None:
