@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import KeyNotCached
 from ..handle import Handle, HandOut
 
-__all__ = ["WriterAPI", "HandleVerbs"]
+__all__ = ["WriterAPI", "HandleVerbs", "must_be_cached"]
 
 
 @runtime_checkable
@@ -99,8 +99,12 @@ class HandleVerbs:
             KeyNotCached: the key was never put or has been evicted (put it again).
             InvalidKey: `key` is not a non-empty str or bytes.
         """
-        found = self.hand_out_cached([key])[0]
-        if found is None:
-            raise KeyNotCached(f"key {key!r} is not in store {self.name!r} (never put, evicted "
-                               "or cleared): put it again", key)
-        return found.handle
+        return must_be_cached(self, key, self.hand_out_cached([key])[0]).handle
+
+
+def must_be_cached(writer: WriterAPI, key: str | bytes, found: HandOut | None) -> HandOut:
+    """`found`, the hand-out of `key`; KeyNotCached if it is None (not cached)."""
+    if found is None:
+        raise KeyNotCached(f"key {key!r} is not in store {writer.name!r} (never put, evicted "
+                           "or cleared): put it again", key)
+    return found

@@ -44,7 +44,7 @@ from ..shm._closeable import CallGuard
 from ..shm._readers import Liveness
 from ..shm._ring import RingWriter
 from ..shm._wait import Deadline, checked_wait, wait_until
-from ._api import HandleVerbs
+from ._api import HandleVerbs, must_be_cached
 from ._base import StoreBase, StoreStats
 from ._guards import Done, hands_out, one_thread
 from ._handouts import HandOuts, object_id
@@ -240,6 +240,16 @@ class StoreWriter(HandleVerbs, StoreBase):
             if entry is not None:
                 entry.reserved = False  # an orphan now (unless published): freed in turn
             raise
+
+    @hands_out
+    def get_cached(self, done: Done, key: str | bytes) -> Handle:
+        """HandleVerbs.get_cached, made inside the writer's guard: from the hand-out to the
+        return nothing runs outside it (an exception anywhere takes the hand-out back).
+
+        Raises:
+            KeyNotCached: the key was never put or has been evicted (put it again).
+        """
+        return must_be_cached(self, key, self._hit(check_key(key), done)).handle
 
     def hand_out_cached(self, keys: Iterable[str | bytes], field: str | None = None
                         ) -> list[HandOut | None]:

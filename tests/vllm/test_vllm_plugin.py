@@ -268,7 +268,7 @@ def test_validate_input_item_refuses_forged_stale_and_foreign_handles(caches: An
         sender.validate_input_item(out, "other-hash")
     forged = MultiModalKwargsItem(dict(out))
     words = list(out[HANDLE_FIELD].data)
-    words[1] += 1
+    words[HANDOUT_WORDS.index("seq")] += 1
     forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=out[HANDLE_FIELD].field)
     with pytest.raises(ValueError, match="did not issue"):
         sender.validate_input_item(forged, "h5")
@@ -572,7 +572,7 @@ def test_across_nodes_the_other_node_reads_every_item_from_its_relay(
         # a handle that never reaches node 1 (another object id): a bounded wait, then a miss
         forged = MultiModalKwargsItem(dict(outs["h2"]))
         words = list(forged[HANDLE_FIELD].data)
-        words[5] += 1
+        words[HANDOUT_WORDS.index("id_2")] += 1  # the origin seq of its object id
         forged[HANDLE_FIELD] = MultiModalFieldElem(data=words, field=forged[HANDLE_FIELD].field)
         started = time.monotonic()
         with pytest.raises(MultiModalCacheMissError):

@@ -100,14 +100,19 @@ def test_a_start_refused_by_vllms_memory_check_leaves_no_segment(tmp_path: Path)
            "PYTHONPATH": str(Path(__file__).parents[2])}
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [str(SHMSTORE), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
              "--mm-processor-cache-type", "shm", "--mm-processor-cache-gb", "0.25",
              "--max-model-len", "256", "--enforce-eager", "--api-server-count", "2"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, timeout=480,
-            start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        returncode = proc.wait(480)
+    finally:  # interrupted or timed out: the launcher's API servers are its group's too
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
     text = log.read_text()
-    assert done.returncode != 0, text[-3000:]
+    assert returncode != 0, text[-3000:]
     assert f"segment '{segment}'" in text, text[-3000:]  # the store was made before the check
     assert "less than requested memory for kv" in text, text[-3000:]
     wait_for(lambda: not any(p.startswith(segment) for p in os.listdir("/dev/shm")), 60,
