@@ -54,7 +54,7 @@ from ..errors import (
     StaleHandle,
     StoreFull,
 )
-from ..handle import MAX_RECORD_BYTES, Handle, HandOut, check_key
+from ..handle import HANDOUT_WORDS, MAX_RECORD_BYTES, Handle, HandOut, check_key
 from ..local import _frames as frames
 
 __all__ = ["PROTOCOL", "MAX_FRAME_BYTES", "MAX_KEYS", "MAX_PEEK_BYTES", "MAX_GROUPS", "OPS",
@@ -265,7 +265,9 @@ def _handout_arg(value: Any) -> HandOut:
     try:
         return HandOut.from_words(value[0])
     except InvalidHandle as exc:  # well-typed words out of range: answered, as for a handle
-        if isinstance(value[0], list) and all(type(w) is int for w in value[0]):
+        words = value[0]
+        if (isinstance(words, list) and len(words) == len(HANDOUT_WORDS)
+                and all(type(w) is int for w in words)):
             raise
         raise ProtocolError(f"bad hand-out: {exc}") from None
 

@@ -269,6 +269,12 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(hosted) -> 
     b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16], -1, []]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["narrow", [64, 1, b"x" * 16, 1], "1", []]))), b]),
     b"".join([struct.pack("<I", len(b := msgpack.packb(["len", 1]))), b]),
+    # a hand-out asked about that is not [nine int words, None]
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["issued", "a", [[1] * 8, None]]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["issued", "a", [[1] * 10, None]]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["issued", "a", [[1] * 8 + ["1"], None]]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["issued", "a", [[1] * 9, b"r"]]))), b]),
+    b"".join([struct.pack("<I", len(b := msgpack.packb(["issued", "a", [1] * 9]))), b]),
 ])
 def test_a_hostile_frame_closes_that_connection_only(hosted, frame: bytes) -> None:
     writer, _, client, readers, _ = hosted
