@@ -75,7 +75,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.vllm.test_vllm_serve import MediaServer, Server, image  # noqa: E402
+from tests.vllm.served import MediaServer, Server, image  # noqa: E402
 from tests.vllm.tiny_llava import build  # noqa: E402
 
 API2 = ("--api-server-count", "2", "--tensor-parallel-size", "2")

@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-def run_script(script: str, *args: str, tmp_path: Path) -> dict:
+def run_script(script: str, *args: str, tmp_path: Path, timeout: float = 170) -> dict:
     out_json = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out_json)],
-                          capture_output=True, text=True, timeout=170, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(out_json.read_text())
 
@@ -34,26 +34,21 @@ def test_bench_store_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_bench_pipeline_runs(tmp_path: Path) -> None:
+@pytest.mark.timeout(330)
+def test_bench_pipeline_runs_every_transport_and_the_queue_part_beside_vllms(
+        tmp_path: Path) -> None:
+    """One run of both parts (vLLM's baseline is imported by each of its processes: once)."""
     data = run_script("bench_pipeline.py", "--quick", "--sizes", "262144", "--readers", "1",
-                      "--no-queue", tmp_path=tmp_path)
+                      tmp_path=tmp_path, timeout=320)
     (row,) = data["transfer"]
     assert row["n_readers"] == 1 and row["shmstore_s"] > 0 and row["shm-per-item_s"] > 0
-    if HAVE_VLLM:  # vLLM's own storage and MessageQueue (setup installs vllm)
-        assert row["vllm shm_s"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_bench_pipeline_queue_part_runs_beside_vllms_message_queue(tmp_path: Path) -> None:
-    data = run_script("bench_pipeline.py", "--quick", "--sizes", "--readers", "1",
-                      tmp_path=tmp_path)
+    assert row["torch.mp.Queue_s"] > 0 and row["pipe_s"] > 0
     queues = [("shmstore", 1)] + ([("vllm", 1)] if HAVE_VLLM else [])
     assert [(q["queue"], q["n_readers"]) for q in data["queue"]] == queues
     assert all(q["flood"]["msgs_per_s"] > 0 for q in data["queue"])
     assert 0 <= data["idle_reader_cpu_share"] <= 1
-    if HAVE_VLLM:
+    if HAVE_VLLM:  # vLLM's own storage and MessageQueue (setup installs vllm)
+        assert row["vllm shm_s"] > 0
         assert 0 <= data["vllm_idle_reader_cpu_share"] <= 1
 
 

@@ -10,7 +10,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 # what a module names when it starts one of them: the launcher scripts and the relay's workers
 STARTS_SERVING = ('with_name("shmstore")', "vllm_engine_run", "vllm_requests_run", "relay_workers",
-                  "Server(model")  # a `vllm serve` of test_vllm_serve.Server
+                  "Server(model")  # a `vllm serve` of tests/vllm/served.py
 
 
 def module_marks(path: Path) -> set[str]:
@@ -30,7 +30,7 @@ def serving_modules() -> list[Path]:
 
 def test_the_check_finds_the_modules_that_start_servers() -> None:
     names = {p.name for p in serving_modules()}
-    assert {"test_vllm_engine.py", "test_vllm_serve.py", "test_vllm_serve_shapes.py",
+    assert {"test_vllm_engine.py", "test_vllm_serve_shapes.py", "test_vllm_start.py",
             "test_relay_mp.py"} <= names, names
 
 

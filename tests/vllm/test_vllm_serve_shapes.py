@@ -3,11 +3,11 @@
 (two API servers, two engines). Outputs must equal a reference run with one API server and
 vLLM's `lru` cache; each image is stored once on the node however many API servers see it;
 hits across API servers are counted; no engine owes reads on what it never saw; a refused
-request, and reset_mm_cache under traffic, neither wedge nor break anything. The data-parallel
-shape runs with the node's miss pool (one worker): the same outputs and errors, new JPEGs
-processed by the pool, one processing per photo under concurrent requests, and a worker
-killed mid-item costs its request nothing. Three servers, one after the other (about 50 s
-each to start on 2 cores).
+request, clients that hang up while queued, and reset_mm_cache under traffic neither wedge nor
+break anything. The data-parallel shape runs with the node's miss pool (one worker): the same
+outputs and errors, new JPEGs processed by the pool, one processing per photo under concurrent
+requests, and a worker killed mid-item costs its request nothing. Four servers, one after the
+other: a reference and a shape at each TP size (about 30 s each to start on 2 cores).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 from shmstore._proc import pid_alive
 from tests._waiting import wait_for
 from tests.conftest import new_name
-from tests.vllm.test_vllm_serve import MediaServer, Server, jpeg_part
+from tests.vllm.served import MAX_MODEL_LEN, MediaServer, Server, jpeg_part
 from tests.vllm.tiny_llava import build
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
@@ -301,6 +301,7 @@ def test_a_pool_worker_killed_mid_item_costs_the_request_nothing(
 def test_refused_requests_on_any_api_server_never_wedge_the_store(
         shaped: tuple[Server, dict[int, str]]) -> None:
     server, _ = shaped
+    refused = server.metric("shmstore_vllm_settled_total", reason="refused")
     too_long = "describe " + "the quick brown fox " * 60
     for seed in (100, 101):  # whichever API servers they reach
         with pytest.raises(urllib.error.HTTPError) as error:
@@ -315,8 +316,71 @@ def test_refused_requests_on_any_api_server_never_wedge_the_store(
         inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
     assert inline == [0, 0, 0]
     assert eventually(lambda: server.metric("shmstore_vllm_settled_total", reason="refused")
-                      == 2)
+                      == refused + 2)
     assert server.metric("shmstore_withdrawn_total") >= 1
+
+
+@pytest.mark.parametrize("shaped", ["api-servers-2-tp-2"], indirect=True)
+def test_clients_that_hang_up_while_queued_never_wedge_the_store(
+        shaped: tuple[Server, dict[int, str]]) -> None:
+    """A refused request, then three clients that hang up before their answers come, queued
+    behind long requests that hold the engine's one sequence (each asks for a long answer and
+    leaves after a third of the time one takes), then rounds of new images: none inline."""
+    server, reference = shaped
+    assert server.chat(1)["choices"][0]["message"]["content"] == reference[1]
+    settled = "shmstore_vllm_settled_total"
+    refused, withdrawn = server.metric(settled, reason="refused"), server.metric(
+        "shmstore_withdrawn_total")
+    with pytest.raises(urllib.error.HTTPError) as error:  # refused after rendering
+        server.chat(100, text="describe " + "the quick brown fox " * 60)
+    assert error.value.code == 400
+    long = {"max_tokens": MAX_MODEL_LEN - 40, "ignore_eos": True}
+    server.chat(199, **long)  # warm: the first is slow
+    started = time.monotonic()
+    server.chat(200, **long)
+    one_long_s = time.monotonic() - started
+    n_long = max(2, int(4 / one_long_s) + 1)  # about 4 s of work queued
+    failed: list[BaseException] = []
+
+    def run(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            call(*args, **kwargs)
+        except BaseException as exc:  # a thread's exception would vanish: the test reports it
+            failed.append(exc)
+
+    longs = [threading.Thread(target=run, args=(server.chat, 200 + i), kwargs=long)
+             for i in range(n_long)]
+    for t in longs:
+        t.start()
+    time.sleep(0.3)
+    aborted = server.metric(settled, reason="aborted")
+    leavers = [threading.Thread(target=run, args=(server.leave, 300 + i, one_long_s / 3),
+                                kwargs=long) for i in range(3)]
+    for t in leavers:
+        t.start()
+    for t in leavers + longs:
+        t.join(120)
+    assert not failed, failed
+    time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
+    inline = []
+    for r in range(3):  # rounds of new images, more than the store holds
+        before = server.metric("shmstore_inline_fallbacks_total")
+        texts(server, [2000 + 100 * r + i for i in range(ROUND)])
+        time.sleep(0.6)  # past the metrics mirror
+        inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
+    assert inline == [0, 0, 0]
+    assert eventually(lambda: server.metric(settled, reason="refused") == refused + 1)
+    # hand-outs of leavers whose image no worker read are settled as aborted: 0 to 3 of them.
+    # vLLM does not always keep the leavers behind the long requests (0, 2 and 3 in three
+    # runs), and one whose image a worker read before its client left settles nothing. The
+    # path itself is held deterministically by test_vllm_engine.py (aborts before any step).
+    left = server.metric(settled, reason="aborted") - aborted
+    assert 0 <= left <= 3
+    # each settled hand-out no worker read (the refused one, the leavers') holds an object the
+    # rounds reached: withdrawn, not waited for
+    assert server.metric("shmstore_withdrawn_total") - withdrawn >= 1 + left
+    assert server.chat(1)["choices"][0]["message"]["content"] == reference[1]
+    assert eventually(lambda: server.metric("shmstore_reader_lag") == 0)
 
 
 def test_reset_mm_cache_under_traffic_kills_nothing(

@@ -1,6 +1,7 @@
-"""A real `vllm serve` (the OpenAI server, CPU build, tiny LLaVA) with shmstore's `shm` cache:
-requests the server refuses after rendering and requests whose clients disconnect while queued
-must not wedge the store. One server for the module (about 50 s to start on 2 cores).
+"""A real `vllm serve` (the OpenAI server, CPU build, tiny LLaVA) started through `shmstore
+serve` as the install guide prints it, and what its tests send it: chat requests with images,
+clients that hang up, a media server for images behind URLs, and the metrics it scrapes. The
+tests are in test_vllm_serve_shapes.py (bench/bench_serve.py starts its servers with it too).
 """
 
 from __future__ import annotations
@@ -15,22 +16,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip("vllm")
-pytest.importorskip("transformers")
-
-from tests._waiting import wait_for
-from tests.conftest import new_name
-from tests.vllm.tiny_llava import build
-
-pytestmark = [pytest.mark.timeout(600), pytest.mark.serving]
 # `shmstore serve`, as the install guide prints it for the CPU build of vLLM
 SHMSTORE = Path(sys.executable).with_name("shmstore")
 MAX_MODEL_LEN = 256
@@ -182,73 +172,3 @@ def jpeg_part(seed: int, *, truncated: bool = False, uuid: str | None = None,
     if uuid is not None:
         part["uuid"] = uuid
     return part
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = build(tmp_path_factory.mktemp("tiny-llava"))
-    srv = Server(model, new_name("serve"), tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
-    srv.stop()
-    # the server's exit unlinked it, or (its API server SIGKILLed by vLLM's launcher) its
-    # tracker process, which may still be at it when the launcher has exited
-    wait_for(lambda: not Path("/dev/shm", srv.segment).exists(), 60, "the segment to go")
-
-
-def test_refused_and_disconnected_requests_never_wedge_the_store(server: Server) -> None:
-    first = server.chat(1)["choices"][0]["message"]["content"]
-    # refused after rendering: the prompt fits, not with the image's 16 tokens
-    too_long = "describe " + "the quick brown fox " * 60
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        server.chat(100, text=too_long)
-    assert refused.value.code == 400
-    # three clients that hang up before their answers come, behind long requests that hold the
-    # one sequence: each asks for a long answer and leaves after a third of the time one takes
-    server.chat(199, max_tokens=MAX_MODEL_LEN - 40, ignore_eos=True)  # warm: the first is slow
-    started = time.monotonic()
-    server.chat(200, max_tokens=MAX_MODEL_LEN - 40, ignore_eos=True)
-    one_long_s = time.monotonic() - started
-    n_long = max(2, int(4 / one_long_s) + 1)  # about 4 s of work queued
-    failed: list[BaseException] = []
-
-    def run(call: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            call(*args, **kwargs)
-        except BaseException as exc:  # a thread's exception would vanish: the test reports it
-            failed.append(exc)
-
-    longs = [threading.Thread(target=run, args=(server.chat, 200 + i),
-                              kwargs={"max_tokens": MAX_MODEL_LEN - 40, "ignore_eos": True})
-             for i in range(n_long)]
-    for t in longs:
-        t.start()
-    time.sleep(0.3)
-    aborted_before = server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted")
-    leavers = [threading.Thread(target=run, args=(server.leave, 300 + i, one_long_s / 3),
-                                kwargs={"max_tokens": MAX_MODEL_LEN - 40, "ignore_eos": True})
-               for i in range(3)]
-    for t in leavers:
-        t.start()
-    for t in leavers + longs:
-        t.join(120)
-    assert not failed, failed
-    time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
-    inline = []
-    for r in range(3):  # rounds of six new images, more than the store holds
-        before = server.metric("shmstore_inline_fallbacks_total", api_server="0")
-        for i in range(6):
-            server.chat(1000 + 10 * r + i)
-        inline.append(server.metric("shmstore_inline_fallbacks_total", api_server="0") - before)
-    assert inline == [0, 0, 0]
-    assert server.metric("shmstore_vllm_settled_total", api_server="0", reason="refused") == 1
-    # hand-outs of leavers whose image no worker read are settled as aborted: 0 to 3 of them.
-    # vLLM does not always keep the leavers behind the long requests (0, 2 and 3 in three
-    # runs), and one whose image a worker read before its client left settles nothing. The
-    # path itself is held deterministically by test_vllm_engine.py (aborts before any step).
-    aborted = server.metric("shmstore_vllm_settled_total", api_server="0", reason="aborted")
-    assert 0 <= aborted - aborted_before <= 3
-    # each settled hand-out no worker read (the refused one, the aborted ones) holds an object
-    # that the three rounds reached: withdrawn, not waited for
-    assert server.metric("shmstore_withdrawn_total") >= 1 + aborted - aborted_before
-    assert server.chat(1)["choices"][0]["message"]["content"] == first  # same image, same text
-    assert server.metric("shmstore_reader_lag", reader="0") == 0
