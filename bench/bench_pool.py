@@ -6,8 +6,9 @@ shared memory (serving/_photos.py, as the API servers send it) and, for comparis
 job's message. Misses/s, and CPU per miss from /proc (the workers' and this process's), in
 interleaved rounds.
 
-    OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 16] [--megapixels 3] [--rounds 3]
+    OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 12] [--megapixels 3] [--rounds 3]
                                                  [--model llava|llava_next] [--image-size 56]
+                                                 [--malloc kept|default]
 
 --model llava_next: the tiny LLaVA-NeXT (anyres: up to 4 tiles and the whole image per item),
 whose processor costs more per item than LLaVA-1.5's.
@@ -93,7 +94,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", choices=("llava", "llava_next"), default="llava")
     parser.add_argument("--image-size", type=int, default=56, help="the model's image size")
+    parser.add_argument("--malloc", choices=("kept", "default"), default="kept",
+                        help="this process's malloc: as the pool's workers set it (freed "
+                        "buffers kept for the next photo: the pool's own cost compared) or "
+                        "glibc's default (vLLM's thread as it runs, its page faults included)")
     args = parser.parse_args()
+    if args.malloc == "kept":
+        from shmstore.serving._crew import keep_freed_memory
+        keep_freed_memory()
     from vllm.config import ModelConfig
 
     from bench.bench_serve import photo
@@ -152,7 +160,8 @@ def main() -> None:
     base_cpu = statistics.median(r[1] for r in results["in process"])
     print(f"{args.photos} new {args.megapixels:g} MP JPEG photos, the tiny {args.model}'s "
           f"processor at {args.image_size} px, "
-          f"{args.rounds} interleaved rounds (median, [min-max])")
+          f"{args.rounds} interleaved rounds (median, [min-max]); this process's malloc: "
+          f"{args.malloc}")
     print("path (photo by shared memory / in the message)")
     print("                   misses/s            x in-process   CPU ms/miss        x in-process")
     for label, runs in results.items():
