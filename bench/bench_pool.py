@@ -4,11 +4,12 @@ multimodal thread does for a miss), against the pool (serving/_pool.py with vLLM
 vllm/_accel/_pool.py) with 1 and 2 workers storing straight into the store, each photo sent by
 shared memory (serving/_photos.py, as the API servers send it) and, for comparison, in the
 job's message. Misses/s, and CPU per miss from /proc (the workers' and this process's), in
-interleaved rounds.
+interleaved rounds. With --client the photos come from a second process (the node's other API
+servers' way: a PoolClient and an outbox of its own), whose CPU counts too.
 
     OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 12] [--megapixels 3] [--rounds 3]
                                                  [--model llava|llava_next] [--image-size 56]
-                                                 [--malloc kept|default]
+                                                 [--malloc kept|default] [--client]
 
 --model llava_next: the tiny LLaVA-NeXT (anyres: up to 4 tiles and the whole image per item),
 whose processor costs more per item than LLaVA-1.5's.
@@ -23,6 +24,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import argparse
 import importlib.metadata
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -87,6 +89,48 @@ def pooled(pool: Any, store: Any, jobs: list[tuple[str, dict[str, Any]]],
     return len(jobs) / wall, cpu / len(jobs)
 
 
+def client_main(names: dict[int, str], jobs: list[tuple[str, dict[str, Any]]],
+                conn: Any) -> None:
+    """A second API server (a spawned process): each pool through a PoolClient, photos by its
+    own outbox or in the message, as the node's other API servers send them. Asked (n, how),
+    it sends every job at once and answers (wall seconds, outcomes)."""
+    from shmstore.serving._deployment import NodePool
+    from shmstore.serving._photos import PhotoOutbox
+    from shmstore.serving._pool_share import PoolClient
+
+    nodes = {n: NodePool(client=PoolClient(name), outbox=PhotoOutbox(name))
+             for n, name in names.items()}
+    try:
+        while (asked := conn.recv()) is not None:
+            n, how = asked
+            t0 = time.perf_counter()
+            if how == "shm":
+                futures = [nodes[n].send(key, {k: v for k, v in job.items() if k != "bytes"},
+                                         job["bytes"])[0] for key, job in jobs]
+            else:
+                futures = [nodes[n].submit(key, job) for key, job in jobs]
+            outcomes = [f.result(timeout=600) for f in futures]
+            conn.send((time.perf_counter() - t0, outcomes))
+    finally:
+        for node in nodes.values():
+            node.close()
+
+
+def through_client(conn: Any, client_pid: int, n: int, how: str, pool: Any, store: Any,
+                   n_jobs: int) -> tuple[float, float]:
+    """One round of every job from the second API server: (misses/s, CPU s per miss: the
+    workers, the pool's process and the client's together)."""
+    store.clear()
+    pids = [os.getpid(), client_pid, *pool.worker_pids()]
+    cpu0 = sum(cpu_s(p) for p in pids)
+    conn.send((n, how))
+    wall, outcomes = conn.recv()
+    cpu = sum(cpu_s(p) for p in pids) - cpu0
+    if outcomes != ["stored"] * n_jobs:
+        raise SystemExit(f"the pool did not store every photo: {outcomes}")
+    return n_jobs / wall, cpu / n_jobs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--photos", type=int, default=12)
@@ -98,6 +142,9 @@ def main() -> None:
                         help="this process's malloc: as the pool's workers set it (freed "
                         "buffers kept for the next photo: the pool's own cost compared) or "
                         "glibc's default (vLLM's thread as it runs, its page faults included)")
+    parser.add_argument("--client", action="store_true",
+                        help="send the photos from a second process through the pool's client "
+                        "(the node's other API servers' way), not from the pool's own")
     args = parser.parse_args()
     if args.malloc == "kept":
         from shmstore.serving._crew import keep_freed_memory
@@ -110,6 +157,7 @@ def main() -> None:
     from shmstore.serving._outcome import Processor
     from shmstore.serving._photos import PhotoOutbox
     from shmstore.serving._pool import MissPool
+    from shmstore.serving._pool_share import PoolHost
     from shmstore.store._host import WriterHost
     from shmstore.vllm._accel._pool import make_processor
     from shmstore.vllm._vllm import build_processor
@@ -127,41 +175,66 @@ def main() -> None:
             return keys.setdefault(data, _hash(process, data))
         jobs = jobs_for(photos, key_of, b"f" * 16)
         process(jobs[0][1])  # warm: first call builds the HF processor's lazy parts
-        name = f"bench-pool-{os.getpid()}"
-        store = ObjectStore.create(name, capacity_bytes=512 * MIB, n_readers=1)
-        host = WriterHost(store, threading.RLock())
-        pools = {n: MissPool(name, Processor("shmstore.vllm._accel._pool:make_processor",
-                                             (config,)), workers=n,
+        # a store per pool: with --client each pool is served under its store's name
+        names = {n: f"bench-pool-{os.getpid()}-{n}" for n in (1, 2)}
+        stores = {n: ObjectStore.create(name, capacity_bytes=512 * MIB, n_readers=1)
+                  for n, name in names.items()}
+        hosts = [WriterHost(store, threading.RLock()) for store in stores.values()]
+        pools = {n: MissPool(names[n], Processor("shmstore.vllm._accel._pool:make_processor",
+                                                 (config,)), workers=n,
                              max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"})
                  for n in (1, 2)}
-        outbox = PhotoOutbox(name)
-        nodes = {n: NodePool(pool=pool, outbox=outbox) for n, pool in pools.items()}
+        outboxes = [PhotoOutbox(name) for name in names.values()]
+        nodes = {n: NodePool(pool=pools[n], outbox=outboxes[i]) for i, n in enumerate(pools)}
+        client, pool_hosts = None, []
         try:
-            for pool in pools.values():
+            for n, pool in pools.items():
                 while pool.stats().ready < pool.size:
                     time.sleep(0.1)
-                pooled(pool, store, jobs[:2])  # warm each worker
+                pooled(pool, stores[n], jobs[:2])  # warm each worker
+            if args.client:
+                pool_hosts = [PoolHost(pools[n], names[n], stores[n].epoch) for n in pools]
+                ctx = multiprocessing.get_context("spawn")
+                conn, theirs = ctx.Pipe()
+                client = ctx.Process(target=client_main, args=(names, jobs, theirs))
+                client.start()
+                theirs.close()
+                for n in pools:  # warm: connected, each worker once more
+                    through_client(conn, client.pid, n, "msg", pools[n], stores[n], len(jobs))
+
+                def run(n: int, how: str) -> tuple[float, float]:
+                    return through_client(conn, client.pid, n, how, pools[n], stores[n],
+                                          len(jobs))
+            else:
+                def run(n: int, how: str) -> tuple[float, float]:
+                    return pooled(pools[n], stores[n], jobs, nodes[n] if how == "shm" else None)
             results: dict[str, list[tuple[float, float]]] = {"in process": []}
             for n in pools:
                 results[f"pool of {n}, shm"] = []
                 results[f"pool of {n}, msg"] = []
             for _ in range(args.rounds):  # interleaved: the machine's noise falls on all
                 results["in process"].append(in_process(vllm_processor, jobs))
-                for n, pool in pools.items():
-                    results[f"pool of {n}, shm"].append(pooled(pool, store, jobs, nodes[n]))
-                    results[f"pool of {n}, msg"].append(pooled(pool, store, jobs))
+                for n in pools:
+                    results[f"pool of {n}, shm"].append(run(n, "shm"))
+                    results[f"pool of {n}, msg"].append(run(n, "msg"))
         finally:
+            if client is not None:
+                conn.send(None)
+                client.join(60)
+            for served in pool_hosts:
+                served.close()
             for pool in pools.values():
                 pool.close()
-            outbox.close()
-            host.close()
-            store.close()
+            for closing in [*outboxes, *hosts, *stores.values()]:
+                closing.close()
     base_rate = statistics.median(r[0] for r in results["in process"])
     base_cpu = statistics.median(r[1] for r in results["in process"])
     print(f"{args.photos} new {args.megapixels:g} MP JPEG photos, the tiny {args.model}'s "
           f"processor at {args.image_size} px, "
           f"{args.rounds} interleaved rounds (median, [min-max]); this process's malloc: "
-          f"{args.malloc}")
+          f"{args.malloc}; the pools' photos sent "
+          + ("from a second process, through the client" if args.client
+             else "from the pool's own process"))
     print("path (photo by shared memory / in the message)")
     print("                   misses/s            x in-process   CPU ms/miss        x in-process")
     for label, runs in results.items():

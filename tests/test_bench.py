@@ -117,9 +117,21 @@ def test_bench_byvalue_runs(tmp_path: Path) -> None:
     assert row["image_px"] == 112 and row["by_value_ms"] > 0 and row["by_handle_ms"] > 0
 
 
-def run_printing_script(script: str, *args: str) -> str:
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
+def test_bench_pool_runs_from_a_second_process_through_the_client() -> None:
+    out = run_printing_script("bench_pool.py", "--photos", "2", "--rounds", "1",
+                              "--megapixels", "0.3", "--client", timeout=280)
+    assert "from a second process, through the client" in out, out
+    for label in ("in process", "pool of 1, shm", "pool of 1, msg", "pool of 2, shm",
+                  "pool of 2, msg"):
+        assert re.search(rf"^{label} +[\d.]+ \[", out, re.M), out
+
+
+def run_printing_script(script: str, *args: str, timeout: float = 170) -> str:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True,
-                          text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
