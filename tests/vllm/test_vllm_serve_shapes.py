@@ -298,6 +298,18 @@ def test_a_pool_worker_killed_mid_item_costs_the_request_nothing(
                       == processed + 1)
 
 
+def inline_per_round(server: Server, first: int) -> list[float]:
+    """Three rounds of ROUND new images (seeds from `first`), more than the store holds: the
+    items each round sent inline (by value, not by handle)."""
+    inline = []
+    for r in range(3):
+        before = server.metric("shmstore_inline_fallbacks_total")
+        texts(server, [first + 100 * r + i for i in range(ROUND)])
+        time.sleep(0.6)  # past the metrics mirror
+        inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
+    return inline
+
+
 def test_refused_requests_on_any_api_server_never_wedge_the_store(
         shaped: tuple[Server, dict[int, str]]) -> None:
     server, _ = shaped
@@ -308,13 +320,7 @@ def test_refused_requests_on_any_api_server_never_wedge_the_store(
             server.chat(seed, text=too_long)
         assert error.value.code == 400
     time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
-    inline = []
-    for r in range(3):  # rounds of new images, more than the store holds
-        before = server.metric("shmstore_inline_fallbacks_total")
-        texts(server, [1000 + 100 * r + i for i in range(ROUND)])
-        time.sleep(0.6)  # past the metrics mirror
-        inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
-    assert inline == [0, 0, 0]
+    assert inline_per_round(server, first=1000) == [0, 0, 0]
     assert eventually(lambda: server.metric("shmstore_vllm_settled_total", reason="refused")
                       == refused + 2)
     assert server.metric("shmstore_withdrawn_total") >= 1
@@ -362,13 +368,7 @@ def test_clients_that_hang_up_while_queued_never_wedge_the_store(
         t.join(120)
     assert not failed, failed
     time.sleep(1.5)  # past SHMSTORE_VLLM_SETTLE_S
-    inline = []
-    for r in range(3):  # rounds of new images, more than the store holds
-        before = server.metric("shmstore_inline_fallbacks_total")
-        texts(server, [2000 + 100 * r + i for i in range(ROUND)])
-        time.sleep(0.6)  # past the metrics mirror
-        inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
-    assert inline == [0, 0, 0]
+    assert inline_per_round(server, first=2000) == [0, 0, 0]
     assert eventually(lambda: server.metric(settled, reason="refused") == refused + 1)
     # hand-outs of leavers whose image no worker read are settled as aborted: 0 to 3 of them.
     # vLLM does not always keep the leavers behind the long requests (0, 2 and 3 in three
