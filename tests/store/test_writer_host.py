@@ -454,3 +454,32 @@ def test_attaching_a_channels_name_as_a_store_names_the_channel(name: str) -> No
     with Channel.create(name, n_readers=1, capacity_bytes=1 << 16):
         with pytest.raises(SegmentNotFound, match=r"is a Channel .*Channel.attach"):
             ObjectStore.attach(name, reader=0)
+
+
+def test_a_client_served_while_the_host_is_still_being_made_is_answered(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's socket serves from the moment it listens, before WriterHost's constructor has
+    returned: a client that connects in that moment (another API server polling for the host,
+    on a loaded machine) is served, never dropped as if the host were closing. Here its hello
+    is answered inside that moment, every time."""
+    answers: list[Any] = []
+
+    class AnswersBeforeItReturns(service.SameUserServer):
+        def __init__(self, address: str, serve: Any, **kw: Any) -> None:
+            super().__init__(address, serve, **kw)
+            with service.connect(address, what="the host", timeout_s=5) as sock:
+                _wire.send_frame(sock, _wire.request("hello"))
+                try:
+                    answers.append(_wire.recv_frame(sock))
+                except OSError as exc:  # dropped: reset by the host
+                    answers.append(exc)
+
+    monkeypatch.setattr("shmstore.store._host.SameUserServer", AnswersBeforeItReturns)
+    with ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=1) as writer:
+        host = WriterHost(writer, threading.RLock())
+        try:
+            (answer,) = answers
+            assert isinstance(answer, list) and answer[0] == 0, answer
+            assert answer[1][0] == _wire.PROTOCOL
+        finally:
+            host.close()

@@ -48,13 +48,13 @@ class Server:
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         end = time.monotonic() + 300
         while time.monotonic() < end:
-            assert self.proc.poll() is None, log.read_text()[-5000:]
+            assert self.proc.poll() is None, said(log)
             try:
                 urllib.request.urlopen(f"{self.url}/health", timeout=2)
                 return
             except OSError:
                 time.sleep(1)
-        raise TimeoutError(log.read_text()[-5000:])
+        raise TimeoutError(said(log))
 
     @property
     def url(self) -> str:
@@ -106,6 +106,14 @@ class Server:
         self.log.close()
         for leftover in Path("/dev/shm").glob("vllm_dist_*"):  # vLLM's own, not ours
             leftover.unlink(missing_ok=True)
+
+
+def said(log: Path) -> str:
+    """A failed start's story: every line of the log that names shmstore (which process made,
+    joined or served the store, what it dropped), then the log's end."""
+    text = log.read_text()
+    ours = [line for line in text.splitlines() if "shmstore" in line.lower()]
+    return "\n".join(ours[-60:]) + "\n...\n" + text[-5000:]
 
 
 def _labels(line: str) -> dict[str, str]:
