@@ -83,11 +83,11 @@ def connect(address: str, *, what: str, timeout_s: float | None) -> socket.socke
 
 
 class SameUserServer(Closeable):
-    """A listening socket at `address` that serves processes of this user only, at most
-    `max_clients` at once: each connection gets a thread running serve(sock, pid), which
-    closes the socket when done. Refused connections (another user, too many) are counted
-    (`refused`) and logged at most once per REFUSAL_LOG_S. close() stops accepting and shuts
-    down every connection (their threads see it and end); idempotent."""
+    """A listening socket at `address` that serves processes of this user only (from
+    start()), at most `max_clients` at once: each connection gets a thread running
+    serve(sock, pid), which closes the socket when done. Refused connections (another user,
+    too many) are counted (`refused`) and logged at most once per REFUSAL_LOG_S. close() stops
+    accepting and shuts down every connection (their threads see it and end); idempotent."""
 
     _listener: socket.socket | None = None
 
@@ -108,7 +108,13 @@ class SameUserServer(Closeable):
                 "another process serves it already", "name", name) from None
         listener.listen(max_clients)
         self._listener = listener
-        threading.Thread(target=self._accept, name=f"shmstore-serve-{name}",
+        self._name = name
+
+    def start(self) -> None:
+        """Serve from now on. Its owner calls this once it holds the server: until then a
+        client that connects waits in the listen queue, where serve() would meet an owner
+        still being made (one that counts itself closing, and drops the client)."""
+        threading.Thread(target=self._accept, name=f"shmstore-serve-{self._name}",
                          daemon=True).start()
 
     def _accept(self) -> None:

@@ -63,6 +63,7 @@ class PoolHost(Closeable):
         self._server = SameUserServer(pool_address(name, epoch), self._serve,
                                       what=f"the miss pool of store {name!r}", name=name,
                                       max_clients=MAX_CLIENTS)
+        self._server.start()  # serves once it is ours
 
     def _serve(self, sock: socket.socket, pid: int) -> None:
         count = threading.Lock()

@@ -82,21 +82,24 @@ class WriterHost(Closeable):
         self._lock = lock
         self.post_errors = 0  # calls sent with wait=False that failed other than StaleHandle
         self._handlers = self._handler_table()
-        # set before the server: it serves from the moment it listens, before it is ours
-        self._stopping = False
         self._server = SameUserServer(host_address(writer.name, writer.epoch), self._serve,
                                       what=f"store {writer.name!r}", name=writer.name,
                                       max_clients=MAX_CLIENTS)
+        self._server.start()  # serves once it is ours
 
     @property
     def clients(self) -> int:
         """Connections being served now."""
         return 0 if self._server is None else len(self._server.clients)
 
+    @property
+    def _closing(self) -> bool:
+        return self._server is None or self._server.closing
+
     def _serve(self, sock: socket.socket, pid: int) -> None:
         loans = Lender(self._writer)
         try:
-            while not self._stopping:
+            while not self._closing:
                 if len(loans) and not self._lender_alive(sock, pid, len(loans)):
                     return
                 frame = recv_frame(sock)
@@ -117,7 +120,7 @@ class WriterHost(Closeable):
                 if not posted:  # a call whose client does not wait gets no reply
                     self._reply(sock, reply)
         except (ProtocolError, OSError) as exc:
-            if not self._stopping:
+            if not self._closing:
                 log.warning("shmstore: store %r dropped a client: %s", self._writer.name, exc)
         except Exception:  # a bug here: logged, and only this client is dropped
             log.exception("shmstore: store %r: serving a client failed", self._writer.name)
@@ -130,7 +133,7 @@ class WriterHost(Closeable):
         """Wait for the next frame of a client that holds lent chunks; False (drop it, taking
         them back) once the process that connected is gone, even if a child it forked still
         holds the socket open."""
-        while not self._stopping:
+        while not self._closing:
             if readable(sock, PEER_CHECK_S):
                 return True
             if not pid_alive(pid):
@@ -211,7 +214,6 @@ class WriterHost(Closeable):
 
     def close(self) -> None:
         """Stop serving; connected clients' calls fail with Closed. Idempotent."""
-        self._stopping = True
         if self._server is not None:
             self._server.close()
 
