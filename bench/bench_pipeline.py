@@ -40,6 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import statistics
 import time
 from typing import Any
@@ -144,9 +145,7 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
     for p in procs:
         p.start()
     try:
-        for _ in range(n_readers):
-            kind, _ = report.get(timeout=120)
-            assert kind == "ready"
+        _await_ready(method, report, procs)
         if method == "vllm shm":
             writer.wait_until_ready()
         elif writer is not None:
@@ -212,6 +211,26 @@ def run_transfer(method: str, size: int, n_readers: int, n_items: int) -> float:
             writer.close()
         for s in senders:
             s.close()
+
+
+def _await_ready(method: str, report: Any, procs: list[Any], limit_s: float = 240.0) -> None:
+    """Until every reader says ready; a reader that dies first is named, not waited for."""
+    deadline = time.monotonic() + limit_s
+    ready = 0
+    while ready < len(procs):
+        try:
+            kind, _ = report.get(timeout=0.5)
+        except queue.Empty:
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"{method}: readers (index, exit code) {dead} died before "
+                                   "they were ready; their tracebacks are above") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{method}: {len(procs) - ready} readers alive but not ready "
+                                   f"after {limit_s:.0f} s") from None
+            continue
+        assert kind == "ready", kind
+        ready += 1
 
 
 def _collect(report: Any, pending: dict[str, int], done_times: list[float],
