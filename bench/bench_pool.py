@@ -3,9 +3,11 @@ process (load_bytes, then the tiny LLaVA's processor on the item: what an API se
 multimodal thread does for a miss), against the pool (serving/_pool.py with vLLM's processor,
 vllm/_accel/_pool.py) with 1 and 2 workers storing straight into the store, each photo sent by
 shared memory (serving/_photos.py, as the API servers send it) and, for comparison, in the
-job's message. Misses/s, and CPU per miss from /proc (the workers' and this process's), in
-interleaved rounds. With --client the photos come from a second process (the node's other API
-servers' way: a PoolClient and an outbox of its own), whose CPU counts too.
+job's message. Misses/s, and CPU per miss from each process's CPU clock (the workers' and this
+process's), in interleaved rounds, with the machine's own ceiling beside them: two processes
+that share nothing, each running vLLM's path over every photo at the same moment. With
+--client the photos come from a second process (the node's other API servers' way: a
+PoolClient and an outbox of its own), whose CPU counts too.
 
     OMP_NUM_THREADS=1 python bench/bench_pool.py [--photos 12] [--megapixels 3] [--rounds 3]
                                                  [--model llava|llava_next] [--image-size 56]
@@ -138,6 +140,34 @@ def pooled(pool: Any, store: Any, jobs: list[tuple[str, dict[str, Any]]],
     return len(jobs) / wall, cpu / len(jobs)
 
 
+def alone_main(model: str, malloc: str, jobs: list[tuple[str, dict[str, Any]]],
+               conn: Any) -> None:
+    """vLLM's in-process path in a process of its own (spawned), for the machine's ceiling:
+    asked, it runs every job and answers (wall s, CPU s); None ends it."""
+    if malloc == "kept":
+        from shmstore.serving._crew import keep_freed_memory
+        keep_freed_memory()
+    from vllm.config import ModelConfig
+
+    from shmstore.vllm._vllm import build_processor
+    processor = build_processor(ModelConfig(model=model, max_model_len=512, enforce_eager=True))
+    in_process(processor, jobs[:2])  # warm: the HF processor's lazy parts
+    conn.send("ready")
+    while conn.recv() is not None:
+        rate, cpu = in_process(processor, jobs)
+        conn.send((len(jobs) / rate, cpu * len(jobs)))
+
+
+def at_once(conns: list[Any], n_jobs: int) -> tuple[float, float]:
+    """Every alone_main process runs every job at the same moment: (misses/s of them all,
+    CPU s per miss): what the machine gives two processes that share nothing."""
+    for conn in conns:
+        conn.send(True)
+    answers = [conn.recv() for conn in conns]
+    misses = n_jobs * len(conns)
+    return misses / max(wall for wall, _ in answers), sum(cpu for _, cpu in answers) / misses
+
+
 def client_main(names: dict[int, str], jobs: list[tuple[str, dict[str, Any]]],
                 conn: Any) -> None:
     """A second API server (a spawned process): each pool through a PoolClient, photos by its
@@ -236,14 +266,25 @@ def main() -> None:
         outboxes = [PhotoOutbox(name) for name in names.values()]
         nodes = {n: NodePool(pool=pools[n], outbox=outboxes[i]) for i, n in enumerate(pools)}
         client, pool_hosts = None, []
+        ctx = multiprocessing.get_context("spawn")
+        alone = []  # two processes running vLLM's path each, at once: the machine's ceiling
+        for _ in range(2):
+            ours, theirs_alone = ctx.Pipe()
+            proc = ctx.Process(target=alone_main, args=(str(model), args.malloc, jobs,
+                                                        theirs_alone))
+            proc.start()
+            theirs_alone.close()
+            alone.append((proc, ours))
         try:
+            for _, conn_alone in alone:
+                if conn_alone.recv() != "ready":
+                    raise SystemExit("a process running vLLM's path alone did not start")
             for n, pool in pools.items():
                 while pool.stats().ready < pool.size:
                     time.sleep(0.1)
                 pooled(pool, stores[n], jobs[:2])  # warm each worker
             if args.client:
                 pool_hosts = [PoolHost(pools[n], names[n], stores[n].epoch) for n in pools]
-                ctx = multiprocessing.get_context("spawn")
                 conn, theirs = ctx.Pipe()
                 client = ctx.Process(target=client_main, args=(names, jobs, theirs))
                 client.start()
@@ -257,17 +298,26 @@ def main() -> None:
             else:
                 def run(n: int, how: str) -> tuple[float, float]:
                     return pooled(pools[n], stores[n], jobs, nodes[n] if how == "shm" else None)
-            results: dict[str, list[tuple[float, float]]] = {"in process": []}
+            results: dict[str, list[tuple[float, float]]] = {"in process": [],
+                                                             "2 processes at once": []}
             for n in pools:
                 results[f"pool of {n}, shm"] = []
                 results[f"pool of {n}, msg"] = []
             for _ in range(args.rounds):  # interleaved: the machine's noise falls on all
                 results["in process"].append(in_process(vllm_processor, jobs))
+                results["2 processes at once"].append(
+                    at_once([conn_alone for _, conn_alone in alone], len(jobs)))
                 for n in pools:
                     for how in ("shm", "msg"):
                         results[f"pool of {n}, {how}"].append(
                             measured(n, pools[n], lambda n=n, how=how: run(n, how)))
         finally:
+            for proc, conn_alone in alone:
+                with contextlib.suppress(OSError):
+                    conn_alone.send(None)
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
             if client is not None:
                 conn.send(None)
                 client.join(60)
@@ -286,14 +336,20 @@ def main() -> None:
           + ("from a second process, through the client" if args.client
              else "from the pool's own process"))
     print("path (photo by shared memory / in the message)")
-    print("                   misses/s            x in-process   CPU ms/miss        x in-process")
+    print("                     misses/s            x in-process   CPU ms/miss        x in-process")
     for label, runs in results.items():
         rates, cpus = [r[0] for r in runs], [1e3 * r[1] for r in runs]
         rate, cpu = statistics.median(rates), statistics.median(cpus)
-        print(f"{label:17s} {rate:6.1f} [{min(rates):5.1f}-{max(rates):5.1f}] "
+        print(f"{label:19s} {rate:6.1f} [{min(rates):5.1f}-{max(rates):5.1f}] "
               f"{rate / base_rate:8.2f}x      {cpu:6.1f} [{min(cpus):5.1f}-{max(cpus):5.1f}] "
               f"{cpu / (1e3 * base_cpu):8.2f}x")
     print_breakdown(len(jobs), base_cpu)
+    ceiling = statistics.median(r[0] for r in results["2 processes at once"])
+    print(f"the machine's own: 2 processes at once / in process: {ceiling / base_rate:.2f}x "
+          f"misses/s on {os.cpu_count()} cores")
+    for how in ("shm", "msg"):
+        two = statistics.median(r[0] for r in results[f"pool of 2, {how}"])
+        print(f"pool of 2 / 2 processes at once ({how}): {two / ceiling:.2f}x misses/s")
     for how in ("shm", "msg"):
         two = statistics.median(r[0] for r in results[f"pool of 2, {how}"])
         one = statistics.median(r[0] for r in results[f"pool of 1, {how}"])
