@@ -47,6 +47,8 @@ May import: errors, handle, _proc, store (a relay Publisher's stats are read by 
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -237,6 +239,8 @@ def register_collector(source: Any, registry: Any = None) -> Callable[[], None]:
 
 
 MIRROR_EVERY_S = 0.5  # how stale a mirrored value may be
+MIRRORED = "shmstore_metrics_mirrored"  # copies a mirror has made, labelled by process (pid) and source
+_MIRRORS = itertools.count(1)  # each mirror of a process: a source label of its own
 
 
 def mirror_to_multiprocess(collector: Any, every_s: float = MIRROR_EVERY_S) -> Callable[[], None]:
@@ -244,11 +248,19 @@ def mirror_to_multiprocess(collector: Any, every_s: float = MIRROR_EVERY_S) -> C
     seconds (a daemon thread), for a server whose /metrics reads those files
     (PROMETHEUS_MULTIPROC_DIR: vLLM with several API servers), where a collector registered in
     one process is never asked. Each sample becomes a gauge of the same name and labels (mode
-    "mostrecent"). Return a function that stops the thread."""
+    "mostrecent"). After each copy, `shmstore_metrics_mirrored{process, source}` (process:
+    the pid) says how many copies this mirror has made: a reader that wants the values as of
+    now waits until it has grown by two (a copy begun after it looked). Return a function
+    that stops the thread."""
     from prometheus_client import Gauge
 
     gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
     stop = threading.Event()
+    made = [0]
+    copies = Gauge(MIRRORED, "copies of these values a mirror made (one each MIRROR_EVERY_S)",
+                   ["process", "source"], registry=None, multiprocess_mode="mostrecent")
+    copies = copies.labels(process=str(os.getpid()),
+                           source=f"{type(collector).__name__}-{next(_MIRRORS)}")
 
     def copy() -> None:
         for family in collector.collect():
@@ -260,6 +272,8 @@ def mirror_to_multiprocess(collector: Any, every_s: float = MIRROR_EVERY_S) -> C
                         sample.name, family.documentation, labels, registry=None,
                         multiprocess_mode="mostrecent")
                 (gauge.labels(**sample.labels) if labels else gauge).set(sample.value)
+        made[0] += 1
+        copies.set(made[0])  # mostrecent has no inc
 
     def run() -> None:
         while not stop.wait(every_s):

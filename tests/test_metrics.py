@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,3 +185,55 @@ def test_the_rule_adaptive_follows_is_in_stats_and_metrics_as_it_changes(name: s
         assert w.stats().policy_rule == "freq" and w.stats().policy == "adaptive"
         assert sample(registry, "shmstore_policy_rule", segment=name, rule="freq") == 1
         unregister()
+
+
+MIRROR_CODE = """
+import os, time
+from prometheus_client import CollectorRegistry, multiprocess
+from prometheus_client.core import GaugeMetricFamily
+from shmstore.metrics import MIRRORED, mirror_to_multiprocess
+
+value = [1.0]
+
+class Source:
+    def collect(self):
+        family = GaugeMetricFamily("t_value", "t", labels=["segment"])
+        family.add_metric(["s"], value[0])
+        yield family
+
+def read():
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in registry.collect() for s in family.samples}
+
+def copies(source):
+    key = (MIRRORED, (("process", str(os.getpid())), ("source", source)))
+    return read().get(key, 0)
+
+stops = [mirror_to_multiprocess(Source(), every_s=0.05) for _ in range(2)]
+sources = sorted(dict(labels)["source"] for name, labels in read() if name == MIRRORED)
+assert len(sources) == 2 and all(s.startswith("Source-") for s in sources), sources
+assert all(copies(s) >= 1 for s in sources)
+for new in (2.0, 3.0, 4.0):  # each: the reader waits for two more copies, then sees it
+    value[0] = new
+    looked = {s: copies(s) for s in sources}
+    deadline = time.monotonic() + 60
+    while any(copies(s) < looked[s] + 2 for s in sources):
+        assert time.monotonic() < deadline, "the mirror stopped copying"
+        time.sleep(0.01)
+    assert read()[("t_value", (("segment", "s"),))] == new
+for stop in stops:
+    stop()
+print("ok")
+"""
+
+
+def test_a_mirror_counts_its_copies_so_a_reader_can_wait_for_values_as_of_now(
+        tmp_path: Path) -> None:
+    """Several API servers' /metrics reads prometheus_client's multiprocess files, copied
+    twice a second: the count of copies lets a reader wait for what it checks, not a time."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", MIRROR_CODE], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

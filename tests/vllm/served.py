@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shmstore.metrics import MIRRORED
+from tests._waiting import wait_for
+
 # `shmstore serve`, as the install guide prints it for the CPU build of vLLM
 SHMSTORE = Path(sys.executable).with_name("shmstore")
 MAX_MODEL_LEN = 256
@@ -95,6 +98,25 @@ class Server:
         if not found:
             raise LookupError(f"no {name} {want} in /metrics")
         return sum(found)
+
+    def vllm_metric(self, name: str) -> float:
+        """The sum of vLLM's own samples of `name` (every engine's), 0 where there is none."""
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"{name}{{"))
+
+    def metrics_as_of_now(self, timeout_s: float = 60) -> None:
+        """Return once /metrics shows everything done before this call: with several API
+        servers their values are copied into prometheus_client's files twice a second, so
+        wait until each copier has made two more copies (one begun after now); with one API
+        server /metrics is live and there is nothing to wait for."""
+        def copies() -> dict[str, float]:
+            text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines() if line.startswith(f"{MIRRORED}{{")}
+        looked = copies()
+        wait_for(lambda: all(copies().get(k, 0.0) >= n + 2 for k, n in looked.items()),
+                 timeout_s, f"the metrics copiers to copy twice ({looked})")
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)  # by pid: the server and what it spawned

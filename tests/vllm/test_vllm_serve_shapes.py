@@ -155,7 +155,7 @@ def test_one_store_serves_every_api_server_and_engine(
         if server.metric(skipped, what="processor") >= 1:
             break
         assert server.chat(IMAGES[0])["choices"][0]["message"]["content"] == reference[0]
-        time.sleep(0.6)  # past the metrics mirror
+        server.metrics_as_of_now()
     assert eventually(lambda: server.metric(skipped, what="processor") >= 1)
     for api_server in ("0", "1"):  # both served
         assert server.metric("shmstore_vllm_items_total", api_server=api_server) > 0
@@ -200,7 +200,7 @@ def test_a_jpeg_hit_on_any_api_server_is_never_decoded_nor_processed_again(
         if server.metric("shmstore_vllm_skipped_total", what="processor") > skipped:
             break
         assert said(server, jpeg_part(JPEGS[0])) in reference[f"jpeg {JPEGS[0]}"]
-        time.sleep(0.6)  # past the metrics mirror
+        server.metrics_as_of_now()
     assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="processor")
                       > skipped)
     assert eventually(lambda: server.metric("shmstore_vllm_skipped_total", what="decode") >= 6)
@@ -305,7 +305,7 @@ def inline_per_round(server: Server, first: int) -> list[float]:
     for r in range(3):
         before = server.metric("shmstore_inline_fallbacks_total")
         texts(server, [first + 100 * r + i for i in range(ROUND)])
-        time.sleep(0.6)  # past the metrics mirror
+        server.metrics_as_of_now()
         inline.append(server.metric("shmstore_inline_fallbacks_total") - before)
     return inline
 
@@ -358,7 +358,8 @@ def test_clients_that_hang_up_while_queued_never_wedge_the_store(
              for i in range(n_long)]
     for t in longs:
         t.start()
-    time.sleep(0.3)
+    wait_for(lambda: server.vllm_metric("vllm:num_requests_running") >= 1, 120,
+             "a long request to run")
     aborted = server.metric(settled, reason="aborted")
     leavers = [threading.Thread(target=run, args=(server.leave, 300 + i, one_long_s / 3),
                                 kwargs=long) for i in range(3)]
