@@ -37,6 +37,8 @@ class Server:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.model, self.segment = str(model), segment
+        # several API servers (or engines, each with its own): /metrics from copied values
+        self.copied_metrics = "--api-server-count" in extra or "--data-parallel-size" in extra
         env = {**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
                "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment, "SHMSTORE_VLLM_SETTLE_S": "1",
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
@@ -115,6 +117,7 @@ class Server:
             return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                     for line in text.splitlines() if line.startswith(f"{MIRRORED}{{")}
         looked = copies()
+        assert looked or not self.copied_metrics, f"no {MIRRORED} on /metrics"
         wait_for(lambda: all(copies().get(k, 0.0) >= n + 2 for k, n in looked.items()),
                  timeout_s, f"the metrics copiers to copy twice ({looked})")
 
