@@ -40,9 +40,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import json
 import multiprocessing as mp
-import queue
 import statistics
 import time
+from queue import Empty
 from typing import Any
 
 import numpy as np
@@ -220,7 +220,7 @@ def _await_ready(method: str, report: Any, procs: list[Any], limit_s: float = 24
     while ready < len(procs):
         try:
             kind, _ = report.get(timeout=0.5)
-        except queue.Empty:
+        except Empty:
             dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
             if dead:
                 raise RuntimeError(f"{method}: readers (index, exit code) {dead} died before "
