@@ -75,6 +75,14 @@ def wedge(sender: Any, key: str = "stuck") -> Any:
     return out
 
 
+def frozen_clock(sender: Any) -> list[float]:
+    """The sender's ledger reads its time from the list returned (now[0]) from here on: the
+    test moves time itself, and a slow machine between two steps moves nothing."""
+    now = [time.monotonic()]
+    sender.ledger._clock = lambda: now[0]
+    return now
+
+
 def test_a_refused_request_gives_its_hand_outs_back_at_once(small: Any) -> None:
     sender, receiver = small
     out = wedge(sender)
@@ -124,13 +132,15 @@ def test_a_request_the_engine_refuses_on_arrival_gives_its_hand_outs_back_as_ref
 def test_an_ended_or_unclaimed_hand_out_is_withdrawn_once_the_store_is_full(
         small: Any, claimed: bool) -> None:
     sender, receiver = small
+    now = frozen_clock(sender)
     out = wedge(sender)
     if claimed:  # aborted while queued: the API process saw it end, no worker read it
         sender.ledger.request_added("gone", [handout_number(out)])
         sender.ledger.request_ended("gone", aborted=True)
+    now[0] += 0.9 * SETTLE_S  # not yet settled, nor past the lease (2 * SETTLE_S)
     by_handle = [send(sender, receiver, f"k{i}", f"r{i}") for i in range(12)]
     assert by_handle[:3] == [True] * 3 and not any(by_handle[4:])  # wedged: inline
-    time.sleep(2 * SETTLE_S if claimed else 3 * SETTLE_S)
+    now[0] += 1.2 * SETTLE_S if claimed else 2.2 * SETTLE_S  # past the settle / the lease
     assert all(send(sender, receiver, f"n{i}", f"s{i}") for i in range(12))  # unwedged
     reason = "aborted" if claimed else "lease"
     assert sender.ledger.settled[reason] == 1 and sender.store.stats().withdrawn == 1
