@@ -16,8 +16,9 @@
    a few per side, with no Python work between them. The writer packs the message into a slot
    of a shared mapping, CRCs it (zlib), stores the sequence number with release order through
    the words of shm/_ordering.py and posts the semaphore; the reader waits, loads the sequence
-   with acquire order, checks the CRC and unpacks. One C function per side doing the same would
-   only drop the Python calls between these.
+   with acquire order, checks the CRC, unpacks and says it took it (one slot: the next
+   message waits for that, which a paced send finds done already). One C function per side
+   doing the same would only drop the Python calls between these.
 4. A Rust-backed peer: iceoryx2's Python bindings, an event notifier to a listener in another
    process, same pacing (`pip install iceoryx2`; skipped when it is not installed). What it
    leaves in /dev/shm and /tmp/iceoryx2 is removed afterwards.
@@ -236,6 +237,8 @@ def semaphore_reader(name: str, n: int, out: Any) -> None:
 
 SLOT = struct.Struct("<dQ")  # the message (a timestamp), its sequence number; then a CRC
 SLOT_OFFSET = 64
+TAKEN_OFFSET = 8  # the last sequence number the reader took: the writer's one slot is free
+TAKEN_WAIT_S = 120.0
 
 
 def c_calls_reader(sem_name: str, shm_name: str, n: int, out: Any) -> None:
@@ -259,6 +262,7 @@ def c_calls_reader(sem_name: str, shm_name: str, n: int, out: Any) -> None:
             raise RuntimeError(f"message {expected}: sequence {seq} or its CRC is wrong")
         sent, _ = SLOT.unpack(body)
         rows.append((sent, time.perf_counter()))
+        words.store_release(TAKEN_OFFSET, expected)
     out.put(rows)
     words.release()
     mapping.close()
@@ -286,6 +290,14 @@ def c_calls_handoff(n: int, gap: float, warm: float, ctx: Any) -> list[float]:
 
     def send() -> None:
         nonlocal seq
+        # one slot: the next message waits until the reader took this one (a reader slowed by
+        # a loaded machine would otherwise find a later message there); paced sends find it
+        # taken already, so nothing waits in a quiet run
+        deadline = time.monotonic() + TAKEN_WAIT_S
+        while words.load_acquire(TAKEN_OFFSET) != seq:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the reader did not take message {seq} in {TAKEN_WAIT_S} s")
+            time.sleep(0.0001)
         seq += 1
         SLOT.pack_into(mapping, SLOT_OFFSET, time.perf_counter(), seq)
         words.store_release(SLOT_OFFSET + SLOT.size,
