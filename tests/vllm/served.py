@@ -101,12 +101,6 @@ class Server:
             raise LookupError(f"no {name} {want} in /metrics")
         return sum(found)
 
-    def vllm_metric(self, name: str) -> float:
-        """The sum of vLLM's own samples of `name` (every engine's), 0 where there is none."""
-        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"{name}{{"))
-
     def metrics_as_of_now(self, timeout_s: float = 60) -> None:
         """Return once /metrics shows everything done before this call: with several API
         servers their values are copied into prometheus_client's files twice a second, so
