@@ -25,7 +25,7 @@ from ..errors import InvalidArgument
 from ..shm._closeable import Closeable
 
 __all__ = ["service_address", "SameUserServer", "connect", "peer", "peer_uid", "readable",
-           "SERVICES"]
+           "wait_hang_up", "SERVICES"]
 
 log = logging.getLogger("shmstore")
 SERVICES = ("writer", "pool")  # the kinds of local service a store has
@@ -64,6 +64,15 @@ def readable(sock: socket.socket, timeout_s: float | None) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
+
+
+def wait_hang_up(sock: socket.socket) -> None:
+    """Return once the other end of `sock` hangs up (or this end is shut down), and not before:
+    bytes arriving do not wake the waiter (POLLRDHUP, Linux), so a thread that watches a
+    connection for its peer's death costs nothing per exchange on it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)  # POLLHUP and POLLERR are reported anyway
+    poller.poll()
 
 
 def connect(address: str, *, what: str, timeout_s: float | None) -> socket.socket:

@@ -26,7 +26,7 @@ from ..errors import (
     WrongProcess,
 )
 from ..handle import Handle, HandOut, check_key
-from ..local._service import connect, readable
+from ..local._service import connect, readable, wait_hang_up
 from ..serde._codec import Encoded, encode
 from ..shm._closeable import Closeable
 from ..shm._readers import check_reader_index
@@ -148,6 +148,7 @@ class RemoteWriter(HandleVerbs, Closeable):
             raise Closed(f"the remote writer of store {self.name!r} is closed")
         try:
             with self._io:
+                self._check_quiet(sock)
                 send_frame(sock, request(op, *args, post=True))
         except OSError as exc:
             self.close()
@@ -160,6 +161,7 @@ class RemoteWriter(HandleVerbs, Closeable):
             raise Closed(f"the remote writer of store {self.name!r} is closed")
         try:
             with self._io:
+                self._check_quiet(sock)
                 send_frame(sock, request(op, *args))
                 reply = recv_frame(sock)
         except (OSError, ProtocolError) as exc:
@@ -174,6 +176,22 @@ class RemoteWriter(HandleVerbs, Closeable):
         if reply[0] == 0 and len(reply) == 2:
             return reply[1]
         raise rebuild_error(reply, args[0] if OPS[op].args[:1] == (KEY,) else None)
+
+    def _check_quiet(self, sock: socket.socket) -> None:
+        """Before a request: nothing is there to read, since the host never speaks first. A
+        host gone (or bytes no call asked for, which would be taken for the next reply) closes
+        this writer. One poll of the socket: the watcher wakes only when the host hangs up."""
+        if not readable(sock, 0):
+            return
+        try:
+            stray = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            stray = b""
+        self.close()
+        if stray:
+            raise Closed(f"the host of store {self.name!r} sent bytes no call asked for: not a "
+                         "host of this version; the writer is closed")
+        raise Closed(f"the host of store {self.name!r} went away")
 
     # -- the writer's calls ------------------------------------------------------------------
 
@@ -325,31 +343,20 @@ class RemoteWriter(HandleVerbs, Closeable):
 def _watch(ref: weakref.ref[RemoteWriter], sock: socket.socket) -> None:
     """Close the writer `ref` once its host goes away, even while it is idle: the host's
     process died, and its unlinked segment must not stay mapped here (on a tight /dev/shm a
-    restarted writer would find no room). The host never speaks first: the socket is readable
-    between calls only when it closed."""
-    while True:
-        try:
-            readable(sock, None)
-        except (OSError, ValueError):
-            return  # closed here
-        writer = ref()
-        if writer is None:
-            return
-        with writer._io:
-            if writer._sock is not sock or writer._closing:
-                return  # closed, or this is a forked child's copy
-            data: bytes | None = None  # nothing there: a reply, read by the call that waited
-            if readable(sock, 0):  # (the socket's timeout would make recv wait)
-                try:
-                    data = sock.recv(1, socket.MSG_PEEK)
-                except OSError:
-                    data = b""
-            if data is not None:  # closed, or bytes no call asked for: not a host of ours
-                log.warning("shmstore: the host of store %r went away; unmapping the store",
-                            writer.name)
-                writer.close()
-                return
-        del writer
+    restarted writer would find no room). Woken only by a hang-up (its own close shuts the
+    socket down to wake it), never by a reply."""
+    try:
+        wait_hang_up(sock)
+    except (OSError, ValueError):
+        return  # closed here
+    writer = ref()
+    if writer is None:
+        return
+    with writer._io:
+        if writer._sock is not sock or writer._closing:
+            return  # closed, or this is a forked child's copy
+        log.warning("shmstore: the host of store %r went away; unmapping the store", writer.name)
+        writer.close()
 
 
 _LIVE: weakref.WeakSet[RemoteWriter] = weakref.WeakSet()  # this process's, for fork

@@ -485,3 +485,30 @@ def test_a_client_that_connects_while_the_host_is_being_made_is_answered(
         finally:
             sock.close()
             host.close()
+
+
+def test_the_watch_on_a_connection_wakes_for_a_hang_up_and_not_for_bytes() -> None:
+    """A RemoteWriter's watcher waits on its socket for the host's death; bytes arriving (every
+    reply) must not wake it (each wake costs the client a thread switch per call), a hang-up
+    must, and so must this end's own shutdown (how close() ends the watcher)."""
+    for how in ("peer closes", "own shutdown"):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        woke = threading.Event()
+
+        def watch(sock: socket.socket = ours) -> None:
+            service.wait_hang_up(sock)
+            woke.set()
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        theirs.sendall(b"a reply")
+        assert ours.recv(16, socket.MSG_PEEK) == b"a reply"  # arrived
+        # nothing may happen: load can hide a wake from one run, never invent one
+        assert not woke.wait(0.2), "bytes woke the watcher"
+        if how == "peer closes":
+            theirs.close()
+        else:
+            ours.shutdown(socket.SHUT_RDWR)
+        assert woke.wait(10), f"the watcher slept through: {how}"
+        thread.join(10)
+        ours.close()
+        theirs.close()

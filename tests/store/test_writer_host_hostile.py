@@ -21,6 +21,7 @@ from shmstore.store import _wire
 from shmstore.store._host import WriterHost, host_address
 from shmstore.store._remote import RemoteWriter
 from tests._names import (
+    Closed,
     InvalidArgument,
     KeyExists,
     ObjectStore,
@@ -330,3 +331,39 @@ def test_descriptors_above_1024_are_served(name: str) -> None:
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_bytes_a_host_sends_unasked_are_never_taken_for_a_reply(name: str) -> None:
+    """A host never speaks first. One that does (not a host of this version) must close the
+    client at its next call: its bytes would otherwise be read as that call's reply (here a
+    `cached` answer of True for a key nobody stored). The watcher does not wake on bytes, so
+    the call itself looks before it asks."""
+    from shmstore.local._service import readable
+
+    writer = ObjectStore.create(name, capacity_bytes=256 * KIB, n_readers=1)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    accepted: list[socket.socket] = []
+    try:
+        server.bind(host_address(name, writer.epoch))
+        server.listen(1)
+
+        def fake_host() -> None:
+            conn, _ = server.accept()
+            accepted.append(conn)
+            assert _wire.recv_frame(conn)[0] == "hello"
+            _wire.send_frame(conn, [0, [_wire.PROTOCOL, name, 1, 64 * KIB]])
+            _wire.send_frame(conn, [0, [True]])  # unasked
+        thread = threading.Thread(target=fake_host, daemon=True)
+        thread.start()
+        client = RemoteWriter(name, connect_timeout_s=10)
+        thread.join(10)
+        assert readable(client._sock, 10), "the fake host's stray reply never arrived"
+        with pytest.raises(Closed, match="no call asked for"):
+            client.cached(["nobody stored this"])
+        assert client.closed
+        client.close()  # idempotent
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+        writer.close()
