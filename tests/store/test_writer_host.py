@@ -495,7 +495,7 @@ def test_the_watch_on_a_connection_wakes_for_a_hang_up_and_not_for_bytes() -> No
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         woke = threading.Event()
 
-        def watch(sock: socket.socket = ours) -> None:
+        def watch(sock: socket.socket = ours, woke: threading.Event = woke) -> None:
             service.wait_hang_up(sock)
             woke.set()
         thread = threading.Thread(target=watch, daemon=True)
