@@ -7,8 +7,10 @@ The object is what a multimodal preprocessor hands over: {"pixel_values": float3
 the same inputs, with the same code the call runs (microseconds per call, the median of
 --repeats batches); "rest" is what the call costs beyond the steps listed (Python calls, the
 ring's and the index's bookkeeping, the eviction of the oldest object, the read count). The
-copy rows show what a bare numpy copy of the same bytes costs in the same run. Last, a queue's
-put and get of a float message.
+copy rows show what a bare numpy copy of the same bytes costs in the same run. Then a queue's
+put and get of a float message, and a second API server's calls to the store's host (a
+RemoteWriter in a spawned process, timed by its own CPU clock, against the same call made on
+the writer in this process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import itertools
+import multiprocessing
 import statistics
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -124,6 +128,7 @@ def main() -> None:
         finally:
             reader.close()
     queue_round_trip(r)
+    remote_calls(r)
 
 
 def queue_round_trip(repeats: int) -> None:
@@ -147,6 +152,72 @@ def queue_round_trip(repeats: int) -> None:
             reader.close()
     print(f"\nqueue, a float message: put {statistics.median(put_s) * 1e6:.2f} us, "
           f"get {statistics.median(get_s) * 1e6:.2f} us per call")
+
+
+def remote_client(name: str, repeats: int, conn: object) -> None:
+    """A second API server: CPU µs per call of this process (its watcher thread included, and
+    shown apart), median of `repeats` batches."""
+    from shmstore.store._remote import RemoteWriter
+
+    def watcher_s() -> float:
+        return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+                   for t in threading.enumerate() if t.name.startswith("shmstore-remote-"))
+
+    def cpu_us(call: Callable[[], object]) -> tuple[float, float]:
+        runs, watched = [], []
+        for _ in range(repeats):
+            c0, w0 = time.process_time(), watcher_s()
+            for _ in range(BATCH):
+                call()
+            runs.append((time.process_time() - c0) / BATCH * 1e6)
+            watched.append((watcher_s() - w0) / BATCH * 1e6)
+        return statistics.median(runs), statistics.median(watched)
+
+    def hit() -> None:
+        found = writer.hand_out_cached(["x"])[0]
+        assert found is not None
+        writer.give_back(found.handle, found.number)
+
+    with RemoteWriter(name) as writer:
+        for _ in range(BATCH):  # warm
+            writer.cached(["x"])
+        conn.send([cpu_us(lambda: writer.cached(["x"])), cpu_us(hit)])  # type: ignore[attr-defined]
+
+
+def remote_calls(repeats: int) -> None:
+    """The store's host in this process, a RemoteWriter in a spawned one: each call's CPU on
+    the client's side against the same call on the writer here."""
+    from shmstore.store._host import WriterHost
+
+    name = f"shmstore-percall-r-{os.getpid()}"
+    with ObjectStore.create(name, capacity_bytes=8 << 20, n_readers=1) as store:
+        store.store("x", {"pixel_values": np.zeros(16, dtype=np.float32)})
+        host = WriterHost(store, threading.RLock())
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            ours, theirs = ctx.Pipe()
+            client = ctx.Process(target=remote_client, args=(name, repeats, theirs))
+            client.start()
+            theirs.close()
+            if not ours.poll(600):
+                raise SystemExit("the remote client did not answer in 600 s")
+            (cached, cached_watch), (hit, hit_watch) = ours.recv()
+            client.join(60)
+        finally:
+            host.close()
+        local_cached = per_call_us(lambda: store.cached(["x"]), repeats)
+
+        def local_hit() -> None:
+            found = store.hand_out_cached(["x"])[0]
+            assert found is not None
+            store.give_back(found.handle, found.number)
+        local = per_call_us(local_hit, repeats)
+    print("\na second API server's call to the store's host (its process's CPU; of which its "
+          "watcher thread) against the call on the writer here:")
+    print(f"  cached:                        {cached:7.2f} us (watcher {cached_watch:5.2f}), "
+          f"{cached / local_cached:6.1f}x the local {local_cached:.2f} us")
+    print(f"  hand_out_cached + give_back:   {hit:7.2f} us (watcher {hit_watch:5.2f}), "
+          f"{hit / local:6.1f}x the local {local:.2f} us")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,8 @@ def test_bench_percall_breaks_every_call_down() -> None:
         assert call in out
     assert out.count("rest: ") == 3 and "key digest" in out and "decode, zero copy" in out
     assert "queue, a float message: put" in out
+    assert "a second API server's call to the store's host" in out
+    assert "cached:" in out and "hand_out_cached + give_back:" in out and "(watcher" in out
 
 
 @pytest.mark.slow
