@@ -27,6 +27,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from multiprocessing.connection import wait
 
 import numpy as np
 
@@ -199,8 +200,10 @@ def remote_calls(repeats: int) -> None:
             client = ctx.Process(target=remote_client, args=(name, repeats, theirs))
             client.start()
             theirs.close()
-            if not ours.poll(600):
-                raise SystemExit("the remote client did not answer in 600 s")
+            if ours not in wait([ours, client.sentinel], 600):  # answered, died, or stuck
+                client.kill()
+                raise SystemExit(f"the remote client did not answer (exit code "
+                                 f"{client.exitcode})")
             (cached, cached_watch), (hit, hit_watch) = ours.recv()
             client.join(60)
         finally:
