@@ -232,7 +232,7 @@ def main() -> None:
 
     from bench.bench_serve import photo
     from shmstore import ObjectStore
-    from shmstore.serving._deployment import NodePool
+    from shmstore.serving._deployment import NodePool, Writers
     from shmstore.serving._outcome import Processor
     from shmstore.serving._photos import PhotoOutbox
     from shmstore.serving._pool import MissPool
@@ -258,10 +258,13 @@ def main() -> None:
         names = {n: f"bench-pool-{os.getpid()}-{n}" for n in (1, 2)}
         stores = {n: ObjectStore.create(name, capacity_bytes=512 * MIB, n_readers=1)
                   for n, name in names.items()}
-        hosts = [WriterHost(store, threading.RLock()) for store in stores.values()]
+        locks = {n: threading.RLock() for n in names}  # the writer's, as open_writer's
+        hosts = [WriterHost(stores[n], locks[n]) for n in names]
+        writers = {n: Writers(stores[n], stores[n], lock=locks[n]) for n in names}
         pools = {n: MissPool(names[n], Processor("shmstore.vllm._accel._pool:make_processor",
                                                  (config,)), workers=n,
-                             max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"})
+                             max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"},
+                             stored=writers[n].stored)  # as open_pool makes it
                  for n in (1, 2)}
         outboxes = [PhotoOutbox(name) for name in names.values()]
         nodes = {n: NodePool(pool=pools[n], outbox=outboxes[i]) for i, n in enumerate(pools)}

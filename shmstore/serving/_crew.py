@@ -3,7 +3,8 @@ ones to stop, stop, replace) and the worker process itself (_worker_main).
 
     owner's dispatcher thread                    worker process (spawned by that thread)
       job frames: [key, job]            ----->     builds its processor, then per job:
-      messages:   ["ready"]             <-----       stored already? process, store
+      messages:   ["ready"]             <-----       stored already? (unless the dispatcher
+                                                     asked), process, store
                   ["broken", why]                    (a job it cannot read: "failed")
                   ["done", outcome, detail]
 
@@ -140,8 +141,10 @@ class Crew:
     lock guards `workers` and each worker's ready and key, and is never held while a worker
     is started or stopped."""
 
-    def __init__(self, store_name: str, processor: Processor, env: dict[str, str]) -> None:
+    def __init__(self, store_name: str, processor: Processor, env: dict[str, str], *,
+                 ask: bool = True) -> None:
         self.store_name, self.processor, self.env = store_name, processor, env
+        self.ask = ask  # whether a worker asks the store's host "stored?" before each job
         self.ctx = multiprocessing.get_context("spawn")
         self.workers: list[Worker] = []
         self.failed_starts = 0
@@ -151,7 +154,7 @@ class Crew:
         ours, theirs = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=_worker_main,
-            args=(self.store_name, self.processor, theirs, self.env, os.getpid()),
+            args=(self.store_name, self.processor, theirs, self.env, os.getpid(), self.ask),
             name="shmstore-pool-worker", daemon=True)
         try:
             process.start()
@@ -244,8 +247,10 @@ def keep_freed_memory() -> bool:
 
 
 def _worker_main(store_name: str, processor: Processor, conn: Connection,
-                 env: dict[str, str], owner: int) -> None:
-    """Build the processor, say ready, then answer each job until the pipe closes."""
+                 env: dict[str, str], owner: int, ask: bool) -> None:
+    """Build the processor, say ready, then answer each job until the pipe closes; with `ask`,
+    a job whose key the store has already is answered without running the processor (without
+    it, the dispatcher asked the store itself just before sending the job)."""
     _die_with_owner(owner)
     keep_freed_memory()
     os.environ.update(env)
@@ -280,7 +285,7 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
                 done(Outcome.FAILED, f"unreadable job: {exc}")
                 continue
             try:  # stored meanwhile (sent again just after it was stored): not run again
-                if writer.cached([key])[0]:
+                if ask and writer.cached([key])[0]:
                     done(STORED, ALREADY)
                     continue
             except ShmStoreError as exc:

@@ -37,6 +37,8 @@ from ._pool_share import PoolClient, PoolHost
 
 __all__ = ["Shape", "Writers", "open_writer", "NodePool", "open_pool"]
 
+STORED_WAIT_S = 0.1  # Writers.stored: the longest wait for the writer's lock
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -98,6 +100,23 @@ class Writers:
     local: StoreWriter | None  # the store's own writer, if this process created it
     host: WriterHost | None = None
     head: Any = None  # serving/_nodes.py HeadPublisher, for a TP group across nodes
+    lock: Any = None  # held around every call of `local` (open_writer's)
+
+    def stored(self, key: str) -> bool:
+        """Whether the local store has `key` now, asked under the lock (the miss pool's
+        dispatcher asks before a job goes to a worker); False also when the lock is not free
+        within STORED_WAIT_S (a thread that holds it while it waits for the pool must never
+        stall the pool: the worker then stores, and a key stored meanwhile is found there)."""
+        if self.local is None:
+            raise InvalidArgument("only the process that created the store can ask it "
+                                  "directly; a remote writer asks its host (cached)",
+                                  "local", None)
+        if not self.lock.acquire(timeout=STORED_WAIT_S):
+            return False
+        try:
+            return self.local.is_cached(key)
+        finally:
+            self.lock.release()
 
     @property
     def role(self) -> str:
@@ -138,7 +157,7 @@ def open_writer(d: Shape, lock: threading.RLock,
     # a server that sees few images should not hold all of it)
     store: StoreWriter = make(lambda **kw: ObjectStore.create(d.name, n_readers=d.n_readers,
                                                              prefault=False, **kw))
-    writers = Writers(store, store)
+    writers = Writers(store, store, lock=lock)
     if d.api_servers > 1 or host:
         try:
             writers.host = WriterHost(store, lock)
@@ -225,7 +244,8 @@ def open_pool(d: Shape, writers: Writers, processor: Processor, *,
     try:
         if writers.local is None:
             return NodePool(client=PoolClient(d.name), outbox=outbox)
-        pool = MissPool(d.name, processor, workers=d.pool_workers, env=env)
+        pool = MissPool(d.name, processor, workers=d.pool_workers, env=env,
+                        stored=writers.stored)
     except BaseException:
         if outbox is not None:
             outbox.close()

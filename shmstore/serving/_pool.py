@@ -10,6 +10,9 @@ store, whatever the engine (an adapter says how one item is processed: a Process
           max_waiting queued: an outcome at once        lends; no reader owes it)
         the dispatcher thread (one loop):
           jobs to idle workers             -----> [key, job]                 (msgpack, a Pipe)
+            (a key stored meanwhile: STORED,
+            not sent; asked of the writer here
+            where it is given `stored`)
           the workers' messages            <----- ["ready"] | ["broken", why]
                                                   | ["done", outcome, detail]
         Crew (the workers' lives): start, ready, the job and start time limits, reap and
@@ -37,13 +40,14 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
 import msgpack
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, ShmStoreError
 from ._crew import ALREADY, BROKEN_STARTS, REAP_POLL_S, STOP_TIMEOUT_S, Crew, Says, Worker
 from ._log import log
 from ._outcome import FALLBACKS, STORED, Outcome, PoolStats, Processor, check_job
@@ -75,13 +79,18 @@ class MissPool:
     _thread: threading.Thread | None = None
 
     def __init__(self, store_name: str, processor: Processor, *, workers: int,
-                 max_waiting: int | None = None, env: dict[str, str] | None = None) -> None:
+                 max_waiting: int | None = None, env: dict[str, str] | None = None,
+                 stored: Callable[[str], bool] | None = None) -> None:
         if workers < 1:
             raise InvalidArgument(f"a miss pool needs at least 1 worker, not {workers}",
                                   "workers", workers)
         self.store_name, self.processor, self.size = store_name, processor, workers
         self.max_waiting = 2 * workers if max_waiting is None else max_waiting
-        self._crew = Crew(store_name, processor, dict(env or {}))
+        # the store's own answer to "is this key stored?" in this process (the writer's, under
+        # its lock), asked just before a job goes to a worker; without it each worker asks the
+        # store's host (a round trip and a wake-up of the host's thread per job)
+        self._stored = stored
+        self._crew = Crew(store_name, processor, dict(env or {}), ask=stored is None)
         self._lock = threading.Lock()
         self._flight: dict[str, Future[Outcome]] = {}
         self._ended: list[tuple[Future[Outcome], Outcome]] = []  # set by _flush, out of the lock
@@ -174,8 +183,8 @@ class MissPool:
         try:
             self._fill()
             while not self._closed:
+                self._assign()
                 with self._lock:
-                    self._assign()
                     waitables = [self._wake_r, *self._crew.waitables()]
                     timeout = 1.0 if self._crew.watching() else None  # a start or a job to time
                 for ready in wait(waitables, timeout):
@@ -211,15 +220,49 @@ class MissPool:
                 self._starts += 1
 
     def _assign(self) -> None:
-        """Send queued jobs to ready, idle workers; under the lock."""
-        for w in self._crew.workers:
-            if not self._queue:
+        """Send queued jobs to ready, idle workers. A job whose key is stored already (the
+        store's answer, asked outside the pool's lock: the writer's lock is taken there, and
+        a caller may hold it while it submits) ends STORED at once, its worker taking the
+        next job."""
+        while picked := self._pick():
+            already = []
+            for w, key, frame in picked:
+                if self._stored_now(key):
+                    already.append((w, key))
+                else:
+                    w.outbox.put(frame)
+            if not already:
                 return
-            if w.ready and w.key is None:
-                key, frame = self._queue.popleft()
-                w.outbox.put(frame)
-                w.key, w.busy_since = key, time.monotonic()
-                self._counts["submitted"] += 1
+            with self._lock:
+                for w, key in already:
+                    if w.key == key:  # not taken out meanwhile (close)
+                        w.key = None
+                    if key in self._flight:  # not ended meanwhile (close)
+                        self._counts["stored"] += 1
+                        self._settle(key, STORED)
+            self._flush()
+
+    def _pick(self) -> list[tuple[Worker, str, bytes]]:
+        """The next queued job for each ready, idle worker, the worker marked busy with it."""
+        picked = []
+        with self._lock:
+            for w in self._crew.workers:
+                if not self._queue:
+                    break
+                if w.ready and w.key is None:
+                    key, frame = self._queue.popleft()
+                    w.key, w.busy_since = key, time.monotonic()
+                    self._counts["submitted"] += 1
+                    picked.append((w, key, frame))
+        return picked
+
+    def _stored_now(self, key: str) -> bool:
+        if self._stored is None:
+            return False
+        try:
+            return self._stored(key)
+        except ShmStoreError:  # the store is closing: the worker finds out, as without it
+            return False
 
     def _heard(self, w: Worker, message: Any) -> None:
         """One message of `w`'s; under the lock."""

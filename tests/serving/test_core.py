@@ -190,6 +190,41 @@ def test_a_shape_has_a_pool_only_with_workers_and_on_one_node(name: str) -> None
     assert not shape(name, pool_workers=2, nodes=2).pooled  # a TP group across nodes
 
 
+def test_the_pools_question_stored_never_waits_on_a_thread_holding_the_writer(
+        name: str) -> None:
+    """Writers.stored (what the miss pool's dispatcher asks before each job) answers from the
+    local writer under its lock, and "not known" (False) within STORED_WAIT_S when another
+    thread holds the lock, however long: a caller that holds it while it waits for the pool
+    never stalls the pool. A remote writer cannot answer it: InvalidArgument."""
+    from shmstore.serving import _deployment
+
+    lock = threading.RLock()
+    writers = open_writer(shape(name), lock, no_head)
+    try:
+        writers.store.put("k", value(1))
+        assert writers.stored("k") and not writers.stored("other")
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with lock:
+                held.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(60)
+            assert writers.stored("k") is False  # not known: the worker finds out
+        finally:
+            release.set()
+            holder.join(60)
+        assert _deployment.STORED_WAIT_S <= 0.1 and writers.stored("k")
+        with pytest.raises(InvalidArgument, match="asks its host"):
+            dataclasses.replace(writers, local=None).stored("k")
+    finally:
+        writers.close()
+
+
 def test_open_pool_decides_every_role(name: str) -> None:
     lock = threading.RLock()
     processor = Processor(TOY)

@@ -270,6 +270,37 @@ def test_a_key_stored_meanwhile_is_not_processed_again(name: str, tmp_path: Any)
         assert len(started(gate)) == 1  # only "new" ran the processor
 
 
+def test_where_the_owner_answers_stored_the_workers_do_not_ask_and_its_answer_is_kept(
+        name: str, tmp_path: Any) -> None:
+    """A pool given the owner's own answer (`stored`, as open_pool gives the writer's) asks it
+    just before a job goes to a worker, and its workers ask the host nothing. Shown with an
+    answer that lies both ways: a key it calls stored ends STORED with no worker run, and a
+    key it calls new though stored is processed (no worker asked) and ends STORED when the
+    store refuses the second copy; an answer that fails is taken as "new"."""
+    from shmstore.errors import SegmentClosed
+
+    gate = str(tmp_path)
+    asked: list[str] = []
+
+    def stored(key: str) -> bool:
+        asked.append(key)
+        if key == "failing":
+            raise SegmentClosed("the store is closing")
+        return key == "lie"
+
+    with hosted(name) as writer, pool_of(name, 1, gate, stored=stored) as pool:
+        writer.put("pre", {"data": np.zeros(8, np.uint8)})
+        assert outcome(pool, "lie", {"bytes": b"l", "n": 1}) == STORED
+        assert outcome(pool, "pre", {"bytes": b"p", "n": 2}) == STORED
+        assert outcome(pool, "failing", {"bytes": b"f", "n": 3}) == STORED
+        assert asked == ["lie", "pre", "failing"]
+        assert writer.cached(["lie", "pre", "failing"]) == [False, True, True]
+        ran = {f.split("-")[1] for f in started(gate)}
+        assert ran == {"2", "3"}  # "lie" never reached a worker; "pre" did: nobody asked
+        stats = pool.stats()
+        assert (stats.submitted, stats.processed, stats.stored) == (3, 2, 3)
+
+
 def test_a_hung_worker_never_blocks_the_pool(name: str) -> None:
     """A worker that stops answering (SIGSTOP: a library stuck in a loop) while a job larger
     than its pipe's buffer is sent to it: submit and stats still answer (jobs go through a
