@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import stat
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -47,6 +49,13 @@ os.environ.setdefault("SHMSTORE_SWEEP", "0")
 # run without one unless they set it, so a machine with cores to spare runs the same suite
 os.environ.setdefault("SHMSTORE_VLLM_POOL", "0")
 NAME_PREFIX = f"shmstore-test-{SESSION}-"
+# vLLM's ZMQ sockets (a file each, left in /tmp by every engine that is killed) go into one
+# folder per session, removed at its end (tests/vllm/served.py gives each server its own)
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=f"vllm-rpc-{SESSION}-")
+    RPC_DIR: str | None = os.environ["VLLM_RPC_BASE_PATH"]
+else:
+    RPC_DIR = None  # a session's worker process (xdist), or a folder chosen outside
 WRITER_PID_FIELD = 7  # SEGMENT_HEADER: magic, version, kind, readers, data offset, capacity, total, pid
 
 
@@ -98,6 +107,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):
         return
+    if RPC_DIR is not None:
+        shutil.rmtree(RPC_DIR, ignore_errors=True)
     left = leftover_segments()
     if left:
         for entry in left:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -70,6 +71,7 @@ class Publisher(Peer):
 
     _reader: ChannelReader | None = None
     _auth: Any = None
+    _ipc_file: tuple[str, int] | None = None  # an ipc:// socket's file and inode, unlinked at close
 
     def __init__(
         self,
@@ -117,7 +119,9 @@ class Publisher(Peer):
             sock.bind(bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             if self.endpoint.startswith("ipc://"):  # no keys there: only this user connects
-                os.chmod(self.endpoint.removeprefix("ipc://"), 0o600)
+                path = self.endpoint.removeprefix("ipc://")
+                self._ipc_file = (path, os.stat(path).st_ino)
+                os.chmod(path, 0o600)
         except BaseException:
             self.close()
             raise
@@ -203,6 +207,18 @@ class Publisher(Peer):
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        self._unlink_ipc_file()
+
+    def _unlink_ipc_file(self) -> None:
+        """Remove the socket file an ipc:// bind made (libzmq leaves it), unless another
+        socket has taken its name since (its inode differs)."""
+        made, self._ipc_file = self._ipc_file, None
+        if made is None:
+            return
+        path, inode = made
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -601,6 +601,17 @@ def test_plain_tcp_is_refused_unless_asked_for() -> None:
         assert info.value.argument == "security.plaintext"
         with Publisher(name, 0, f"ipc:///tmp/{name}.sock") as local:  # a local socket: allowed
             assert local.endpoint.startswith("ipc://")
+            assert os.path.exists(f"/tmp/{name}.sock")
+        assert not os.path.exists(f"/tmp/{name}.sock")  # its file goes with it (libzmq's stays)
+        # a second bind of the same path takes the name (libzmq replaces the file): the first
+        # Publisher's close leaves the second's file alone
+        other = new_name("plain2")
+        with Channel.create(other, n_readers=1, capacity_bytes=1 << 20), \
+                Publisher(name, 0, f"ipc:///tmp/{name}.sock") as first:
+            with Publisher(other, 0, f"ipc:///tmp/{name}.sock"):
+                first.close()
+                assert os.path.exists(f"/tmp/{name}.sock")
+            assert not os.path.exists(f"/tmp/{name}.sock")
     with pytest.raises(InvalidArgument, match=r"without CurveZMQ keys.*--insecure"):
         Relay("tcp://127.0.0.1:1", new_name("plain"), n_readers=1)
 

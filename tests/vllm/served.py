@@ -10,10 +10,12 @@ import base64
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -39,7 +41,11 @@ class Server:
         self.model, self.segment = str(model), segment
         # several API servers (or engines, each with its own): /metrics from copied values
         self.copied_metrics = "--api-server-count" in extra or "--data-parallel-size" in extra
+        # vLLM's ZMQ sockets (one file each) go into a folder of this server's, removed at
+        # stop: a killed server's are otherwise left in /tmp for good
+        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
         env = {**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
+               "VLLM_RPC_BASE_PATH": self.rpc_dir,
                "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment, "SHMSTORE_VLLM_SETTLE_S": "1",
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(Path(__file__).parents[2]), **(env or {})}
@@ -125,6 +131,7 @@ class Server:
         self.log.close()
         for leftover in Path("/dev/shm").glob("vllm_dist_*"):  # vLLM's own, not ours
             leftover.unlink(missing_ok=True)
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def said(log: Path) -> str:

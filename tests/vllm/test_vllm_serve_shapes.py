@@ -141,6 +141,7 @@ def shaped(request: pytest.FixtureRequest, model: Path,
     wait_for(lambda: not Path("/dev/shm", server.segment).exists(), 60, "the segment to go")
     wait_for(lambda: not any(pid_alive(pid) for pid in workers), 60,
              "the pool's workers to exit")
+    assert not Path(server.rpc_dir).exists()
 
 
 def test_one_store_serves_every_api_server_and_engine(
@@ -148,6 +149,8 @@ def test_one_store_serves_every_api_server_and_engine(
     server, reference = shaped
     assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}
     assert texts(server, IMAGES) == {s: reference[s] for s in IMAGES}  # hits, here or there
+    # vLLM's ZMQ sockets are in the server's own folder (removed at stop: `shaped`), not /tmp
+    assert any(entry.is_socket() for entry in Path(server.rpc_dir).iterdir())
     # the same image until both API servers have served it: stored once, and a hit for the
     # other whose processor never ran (the prompt-update record stored beside it)
     skipped = "shmstore_vllm_skipped_total"
