@@ -37,8 +37,6 @@ from ._pool_share import PoolClient, PoolHost
 
 __all__ = ["Shape", "Writers", "open_writer", "NodePool", "open_pool"]
 
-STORED_WAIT_S = 0.1  # Writers.stored: the longest wait for the writer's lock
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -104,14 +102,15 @@ class Writers:
 
     def stored(self, key: str) -> bool:
         """Whether the local store has `key` now, asked under the lock (the miss pool's
-        dispatcher asks before a job goes to a worker); False also when the lock is not free
-        within STORED_WAIT_S (a thread that holds it while it waits for the pool must never
-        stall the pool: the worker then stores, and a key stored meanwhile is found there)."""
+        dispatcher asks before a job goes to a worker); False, at once, when another thread
+        holds the lock: the pool never waits on the writer's other callers, one of which may
+        hold it while it waits for the pool. Only an optimization: a key stored meanwhile is
+        processed, and the worker's store finds it there (KeyExists: STORED)."""
         if self.local is None:
             raise InvalidArgument("only the process that created the store can ask it "
                                   "directly; a remote writer asks its host (cached)",
                                   "local", None)
-        if not self.lock.acquire(timeout=STORED_WAIT_S):
+        if not self.lock.acquire(blocking=False):
             return False
         try:
             return self.local.is_cached(key)
