@@ -4,7 +4,8 @@ vLLM's own caches against shmstore's.
     OMP_NUM_THREADS=1 python bench/bench_serve.py [--quick] [--image-size 336] [--repeats 1]
                                                   [--mixes 0%,100%,zipf,fill] [--n 24]
                                                   [--photo-mp 3] [--source data|url]
-                                                  [--cache-gb 1] [--json PATH] [--plot PNG]
+                                                  [--cache-gb 1] [--threads]
+                                                  [--json PATH] [--plot PNG]
     python bench/bench_serve.py --from-json PATH [--plot PNG]   (a saved run, again)
 
 Configurations (each a fresh server, run one after another, in rounds when --repeats > 1):
@@ -63,7 +64,10 @@ import io
 import json
 import math
 import random
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -111,6 +115,7 @@ HOT = 4  # images of the 100% mix
 API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's cache)
 POOL = 64  # images the zipf mix draws from
 MODEL = ["llava"]  # --model
+THREADS = False  # --threads
 
 
 class Images:
@@ -267,13 +272,52 @@ def cpu_seconds(pgid: int) -> tuple[float, float, float, dict[str, float]]:
     return api or first, total, pool, by_name
 
 
+def thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each thread of process `pid`, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            found[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python's names of the threads of process `pid` (py-spy's dump; Python 3.11 gives the
+    kernel none), a pool's workers under their pool's name ("ThreadPoolExecutor-1"); {} without
+    py-spy."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        return {}
+    dump = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
+                          capture_output=True, text=True, timeout=60).stdout
+    return {int(m.group(1)): re.sub(r"_\d+$", "", m.group(2))
+            for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]*)"', dump)}
+
+
+def by_thread(pid: int, before: dict[int, float], n: int) -> dict[str, float]:
+    """CPU ms per request of process `pid`'s threads since `before`, summed by Python name
+    (the threads Python did not start, or all without py-spy: "other threads")."""
+    names = thread_names(pid)
+    found: dict[str, float] = {}
+    for tid, seconds in thread_seconds(pid).items():
+        name = names.get(tid, "other threads")
+        found[name] = found.get(name, 0.0) + 1e3 * (seconds - before.get(tid, 0.0)) / n
+    return found
+
+
 def run_cell(server: Server, seeds: list[int], concurrency: int,
-             counts: Path) -> dict[str, float]:
+             counts: Path) -> dict[str, Any]:
     times: list[float] = []
     IMAGES.prepare(seeds)
     time.sleep(0.5)  # the counts of what came before are written
     serialized = ipc_bytes(counts)
     cpu_before = cpu_seconds(server.proc.pid)
+    threads_before = thread_seconds(server.proc.pid) if THREADS else {}
     lock = threading.Lock()
     queue = list(seeds)
 
@@ -298,7 +342,11 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
     serialized = ipc_bytes(counts) - serialized
     cpu_after = cpu_seconds(server.proc.pid)
     times.sort()
-    return {"ttft_p50_ms": 1e3 * statistics.median(times),
+    found: dict[str, Any] = {}
+    if THREADS:  # one API server: the server's first process
+        found["api_cpu_ms_per_request_by_thread"] = by_thread(server.proc.pid, threads_before,
+                                                              len(times))
+    return found | {"ttft_p50_ms": 1e3 * statistics.median(times),
             "ttft_p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
             "requests_per_s": len(times) / wall, "n": len(times),
             "ipc_mb_per_request": serialized / len(times) / 1e6,
@@ -390,6 +438,9 @@ def main() -> None:
                         help="photos as base64 data URLs or from an HTTP server on 127.0.0.1")
     parser.add_argument("--mixes", default=",".join(MIXES), help="hit mixes to run")
     parser.add_argument("--concurrency", default="1,4", help="clients of each cell")
+    parser.add_argument("--threads", action="store_true",
+                        help="also the API server's CPU per request by thread (configurations "
+                        "with one API server; thread names need py-spy: pip install py-spy)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT p50 per cell and configuration")
     parser.add_argument("--from-json", type=Path, help="report (and plot) a saved --json run")
@@ -403,7 +454,8 @@ def main() -> None:
     n = 6 if args.quick else args.n
     CONCURRENCY[:] = [int(c) for c in args.concurrency.split(",")]
     MODEL[0] = args.model
-    global IMAGES
+    global IMAGES, THREADS
+    THREADS = args.threads
     IMAGES = Images(args.photo_mp, args.source)
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
@@ -479,6 +531,11 @@ def report(result: dict[str, Any]) -> None:
             if by_process:  # the server's processes by name, CPU ms per request
                 print("             " + ", ".join(f"{k} {ms:.0f}" for k, ms in
                                                  by_process.items() if ms >= 1))
+            by_thread = v.get("api_cpu_ms_per_request_by_thread")
+            if by_thread:  # --threads: the API server's threads, CPU ms per request
+                print("             API server: " + ", ".join(
+                    f"{k} {ms:.1f}" for k, ms in sorted(by_thread.items(), key=lambda kv: -kv[1])
+                    if ms >= 0.5))
     print("\nratios (shmstore / vLLM, same run): TTFT p50, TTFT p99, requests/s, API-server "
           "CPU per request, server CPU per request, MB serialized between the server's "
           "processes per request; memory")
