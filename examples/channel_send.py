@@ -27,10 +27,11 @@ def reader(name: str, index: int) -> None:
                 with channel.recv_view(timeout=60) as msg:  # zero copy for stored values
                     if "pixel_values" in msg:
                         pixels = msg["pixel_values"]
+                        # each line in one write ("\n" inside): the readers share stdout
                         print(f"reader {index}: {msg['image']} {tuple(pixels.shape)} "
-                              f"sum {float(pixels.sum()):.1f}", flush=True)
+                              f"sum {float(pixels.sum()):.1f}\n", end="", flush=True)
                     else:
-                        print(f"reader {index}: {msg}", flush=True)
+                        print(f"reader {index}: {msg}\n", end="", flush=True)
             except Closed:
                 break
 

@@ -26,8 +26,10 @@ def worker(rank: int, kind: str, cache_name: str, channel: str) -> None:
             except Closed:
                 break
             with cache.resolve_view(request["mm_payload"]) as kwargs:  # zero copy for shm kinds
+                # one write per line ("\n" inside): the ranks share stdout
                 print(f"rank {rank}: request {request['id']} pixel_values "
-                      f"{kwargs['pixel_values'].shape} mean {kwargs['pixel_values'].mean():.4f}")
+                      f"{kwargs['pixel_values'].shape} mean {kwargs['pixel_values'].mean():.4f}\n",
+                      end="", flush=True)
 
 
 def main() -> None:

@@ -28,7 +28,9 @@ def reader(name: str, index: int) -> None:
                 break
             assert msg["sizes"].tolist() == [336, 336]
             received.append(msg["request"])
-        print(f"reader {index}: requests {received}", flush=True)
+        # one write ("\n" inside): the readers share stdout, and unbuffered (PYTHONUNBUFFERED)
+        # a print's text and its newline are two writes another reader's line can come between
+        print(f"reader {index}: requests {received}\n", end="", flush=True)
 
 
 def main() -> None:

@@ -31,7 +31,9 @@ def worker(name: str, handles: mp.Queue) -> None:
         for item in ("image-a", "image-b", "image-b again"):
             handle = Handle.unpack(handles.get(timeout=60))
             with reader.view(handle) as value:  # arrays that point into shared memory
-                print(f"worker: {item} mean {float(value['pixel_values'].mean()):.1f}", flush=True)
+                # one write ("\n" inside): this process shares stdout with the writer
+                print(f"worker: {item} mean {float(value['pixel_values'].mean()):.1f}\n", end="",
+                      flush=True)
 
 
 def main() -> None:
