@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -280,6 +281,7 @@ def test_a_hundred_writers_killed_in_a_loop_leave_nothing(name: str) -> None:
     rng = random.Random(45)
     body = (MAKE["channel"] + "\nprint('ready', flush=True)\n"
             "time.sleep(float(sys.argv[1]))\n")
+    glibc_before = glibc_semaphore_drafts()
     for i in range(100):
         sig = rng.choice([signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
         script = f"import os, sys, time\nNAME = {name + '-' + str(i)!r}\n{body}"
@@ -300,6 +302,18 @@ def test_a_hundred_writers_killed_in_a_loop_leave_nothing(name: str) -> None:
     done = run(name + "-next", MAKE["store"])
     assert done.returncode == 0, done.stderr
     wait_gone(name, 60)
+    # glibc's sem_open makes a semaphore as sem.XXXXXX, then links it to its name: a SIGKILL
+    # in between leaves that draft, named for no one (seen once in a clean-clone run). The
+    # drafts this test's kills left are removed; one still being made is a moment old.
+    for draft in glibc_semaphore_drafts() - glibc_before:
+        with contextlib.suppress(OSError):
+            if time.time() - (SHM / draft).stat().st_mtime > 1.0:
+                (SHM / draft).unlink()
+
+
+def glibc_semaphore_drafts() -> set[str]:
+    """The files in /dev/shm named as glibc's sem_open names a semaphore it is making."""
+    return {e for e in os.listdir(SHM) if re.fullmatch(r"sem\.[A-Za-z0-9]{6}", e)}
 
 
 def test_the_trackers_unlink_never_removes_a_file_made_anew_under_the_name(name: str) -> None:
