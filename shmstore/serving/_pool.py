@@ -228,18 +228,14 @@ class MissPool:
             already = []
             for w, key, frame in picked:
                 if self._stored_now(key):
-                    already.append((w, key))
+                    already.append(w)
                 else:
                     w.outbox.put(frame)
             if not already:
                 return
             with self._lock:
-                for w, key in already:
-                    if w.key == key:  # not taken out meanwhile (close)
-                        w.key = None
-                    if key in self._flight:  # not ended meanwhile (close)
-                        self._counts["stored"] += 1
-                        self._settle(key, STORED)
+                for w in already:  # as a worker answers a key it finds stored
+                    self._done(w, STORED.value, ALREADY)
             self._flush()
 
     def _pick(self) -> list[tuple[Worker, str, bytes]]:

@@ -42,8 +42,10 @@ class Server:
         # several API servers (or engines, each with its own): /metrics from copied values
         self.copied_metrics = "--api-server-count" in extra or "--data-parallel-size" in extra
         # vLLM's ZMQ sockets (one file each) go into a folder of this server's, removed at
-        # stop: a killed server's are otherwise left in /tmp for good
-        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
+        # stop: a killed server's are otherwise left in /tmp for good (inside the test
+        # session's folder where there is one: removed at its end, a failed start's too)
+        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-",
+                                        dir=os.environ.get("VLLM_RPC_BASE_PATH"))
         env = {**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
                "VLLM_RPC_BASE_PATH": self.rpc_dir,
                "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": segment, "SHMSTORE_VLLM_SETTLE_S": "1",
