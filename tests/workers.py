@@ -19,9 +19,13 @@ def checksum(obj: Any) -> str:
     return h.hexdigest()
 
 
-def reader_main(name: str, reader: int, inbox: Any, results: Any) -> None:
-    """Read every handle from `inbox` (alternating view and get), verify, report counts."""
+def reader_main(name: str, reader: int, inbox: Any, results: Any, use_torch: bool) -> None:
+    """Say ("ready", reader) once attached (torch imported if asked), then read every handle
+    from `inbox` (alternating view and get), verify, report counts."""
     store = ObjectStore.attach(name, reader=reader)
+    if use_torch:
+        import torch  # noqa: F401  (seconds on a loaded machine: before "ready", not inside a put)
+    results.put(("ready", reader))
     n_read = mismatches = views = 0
     try:
         while True:

@@ -33,11 +33,16 @@ def run_pipeline(name: str, n_readers: int, n_objects: int, min_wraps: int,
     with ObjectStore.create(name, capacity_bytes=capacity, n_readers=n_readers) as store:
         inboxes = [CTX.Queue() for _ in range(n_readers)]
         results = CTX.Queue()
-        procs = [CTX.Process(target=reader_main, args=(name, r, inboxes[r], results), daemon=True)
+        procs = [CTX.Process(target=reader_main, args=(name, r, inboxes[r], results, use_torch),
+                             daemon=True)
                  for r in range(n_readers)]
         for p in procs:
             p.start()
         try:
+            # The ring fills within a few puts; a put then waits on readers, so they start first
+            # (spawning and importing torch took over 30 s once on a loaded machine).
+            ready = sorted(results.get(timeout=120) for _ in procs)
+            assert ready == [("ready", r) for r in range(n_readers)]
             sums: dict[str, str] = {}
             recent: list[str] = []
             sent = bytes_put = 0
@@ -80,6 +85,6 @@ def test_readers_verify_every_byte_through_wraparounds(name: str, n_readers: int
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_torch_tensors_across_processes(name: str) -> None:
     run_pipeline(name, 2, n_objects=200, min_wraps=10, use_torch=True)
