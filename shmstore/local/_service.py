@@ -106,6 +106,8 @@ class SameUserServer(Closeable):
         self.closing = False
         self.refused = 0
         self._serve, self._what, self._max_clients = serve, what, max_clients
+        self._starting = threading.Lock()
+        self._accepting: threading.Thread | None = None
         self._logged_at, self._logged_count = -REFUSAL_LOG_S, 0
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -122,9 +124,13 @@ class SameUserServer(Closeable):
     def start(self) -> None:
         """Serve from now on. Its owner calls this once it holds the server: until then a
         client that connects waits in the listen queue, where serve() would meet an owner
-        still being made (one that counts itself closing, and drops the client)."""
-        threading.Thread(target=self._accept, name=f"shmstore-serve-{self._name}",
-                         daemon=True).start()
+        still being made (one that counts itself closing, and drops the client). Idempotent:
+        one thread accepts, however often it is called."""
+        with self._starting:
+            if self._accepting is None:
+                self._accepting = threading.Thread(
+                    target=self._accept, name=f"shmstore-serve-{self._name}", daemon=True)
+                self._accepting.start()
 
     def _accept(self) -> None:
         listener = self._listener

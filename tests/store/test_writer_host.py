@@ -487,6 +487,29 @@ def test_a_client_that_connects_while_the_host_is_being_made_is_answered(
             host.close()
 
 
+def test_a_same_user_server_started_twice_accepts_on_one_thread(tmp_path: Any) -> None:
+    """start() is idempotent: a second call starts no second accepting thread (two would race
+    on the count of clients), and the server serves as before."""
+    address = str(tmp_path / "twice.sock")
+    served: list[int] = []
+
+    def serve(sock: socket.socket, pid: int) -> None:
+        served.append(pid)
+        sock.close()
+
+    server = service.SameUserServer(address, serve, what="a test service", name="twice",
+                                    max_clients=4)
+    try:
+        server.start()
+        server.start()
+        accepting = [t for t in threading.enumerate() if t.name == "shmstore-serve-twice"]
+        assert len(accepting) == 1
+        with service.connect(address, what="the test service", timeout_s=10):
+            wait_for(lambda: served == [os.getpid()], 10, "the connection served")
+    finally:
+        server.close()
+
+
 def test_the_watch_on_a_connection_wakes_for_a_hang_up_and_not_for_bytes() -> None:
     """A RemoteWriter's watcher waits on its socket for the host's death; bytes arriving (every
     reply) must not wake it (each wake costs the client a thread switch per call), a hang-up

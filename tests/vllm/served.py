@@ -7,6 +7,7 @@ tests are in test_vllm_serve_shapes.py (bench/bench_serve.py starts its servers 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -59,6 +60,13 @@ class Server:
              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--enforce-eager",
              *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            self._wait_healthy(log)
+        except BaseException:  # a start that fails or times out leaves no process behind
+            self.stop()
+            raise
+
+    def _wait_healthy(self, log: Path) -> None:
         end = time.monotonic() + 300
         while time.monotonic() < end:
             assert self.proc.poll() is None, said(log)
@@ -124,11 +132,15 @@ class Server:
                  timeout_s, f"the metrics copiers to copy twice ({looked})")
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)  # by pid: the server and what it spawned
+        """Stop the server and what it spawned (by its process group), remove what vLLM
+        leaves; idempotent."""
+        with contextlib.suppress(ProcessLookupError):  # its group gone already
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
         for leftover in Path("/dev/shm").glob("vllm_dist_*"):  # vLLM's own, not ours
