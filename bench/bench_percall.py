@@ -202,6 +202,7 @@ def remote_calls(repeats: int) -> None:
             theirs.close()
             if ours not in wait([ours, client.sentinel], 600):  # answered, died, or stuck
                 client.kill()
+                client.join(60)  # reaped: its exit code below, no zombie left
                 raise SystemExit(f"the remote client did not answer (exit code "
                                  f"{client.exitcode})")
             (cached, cached_watch), (hit, hit_watch) = ours.recv()
