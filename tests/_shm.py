@@ -46,3 +46,35 @@ def made_by(root: int, before: set[str]) -> list[str]:
                 writer == root or (proc_stat(writer) or ("", 0))[1] == root):
             found.append(entry)
     return found
+
+
+def holders(entry: str) -> str:
+    """Who keeps the /dev/shm file `entry` (a failed wait's story): its writer (the header's
+    pid, and its state), every process with it open or mapped, with its state and parent, and
+    every tracker process running."""
+    path = os.path.join(SHM, entry)
+    header = peek_header(entry)
+    lines = [f"{path}: writer pid {header[2]} state {proc_stat(header[2])}" if header
+             else f"{path}: no shmstore header"]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        how = []
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            how += [f"fd {fd}" for fd in fds if _link(f"/proc/{pid}/fd/{fd}") == path]
+            with open(f"/proc/{pid}/maps") as maps:
+                how += ["mapped"] if any(line.rstrip().endswith(path) for line in maps) else []
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+        if how or "_tracker.py" in cmd:  # and every tracker (the writer's pid in its words)
+            lines.append(f"  pid {pid} {proc_stat(int(pid))} ({', '.join(how) or 'tracker'}):"
+                         f" {cmd}")
+    return "\n".join(lines)
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

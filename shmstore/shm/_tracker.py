@@ -22,8 +22,9 @@ it (a forked child closes its inherited copy at once). The tracker then waits un
 is really gone (its pid and the start time it gave, so a reused pid cannot fool it; a writer
 that closed the pipe by mistake keeps its names until it exits), and unlinks every name still
 listed whose file is still the one the writer created (same inode: a name another writer took
-over since is left alone). It says what it removed on stderr, which it shares with its
-writer (a server's log).
+over since is left alone); a file whose lock a live process still holds is tried again for
+up to HELD_WAIT_S. It says what it removed, and what it left, on stderr, which it shares with
+its writer (a server's log).
 
 It runs in a session of its own and ignores SIGINT, SIGTERM and SIGHUP, so the signals that stop
 its writer's process group (Ctrl-C, a terminal hang-up, `kill -- -PGID`, systemd's first
@@ -43,6 +44,8 @@ import time
 from collections.abc import Callable
 
 WRITER_POLL_S = 0.2  # how often a tracker whose pipe ended checks that its writer is gone
+HELD_WAIT_S = 60.0  # how long a tracker tries again a file whose lock a live process holds
+HELD_RETRY_S = 0.25
 
 
 def _start_time(pid: int) -> int | None:
@@ -172,12 +175,31 @@ def unlink_if_same(path: str | bytes, inode: int | None = None,
 
 def _unlink_left(owned: dict[bytes, int], beside: dict[bytes, set[bytes]],
                  writer: int) -> None:
-    for path, inode in owned.items():
-        unlisted = frozenset(p for p in beside.get(path, ()) if p not in owned)
-        size = unlink_if_same(path, inode, unlisted)
-        if size is not None:
-            sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
-                             f"{os.fsdecode(path)} ({size} bytes): removed\n")
+    """Unlink what the dead writer left. A file still locked (Held: another remover at it, or
+    a process forked from the writer, outside Python, that still shares its lock and dies
+    with the server a moment later) is tried again every HELD_RETRY_S for HELD_WAIT_S, then
+    left, with a line that says so (the next writer's sweep or `shmstore gc` removes it)."""
+    left = dict(owned)
+    deadline = time.monotonic() + HELD_WAIT_S
+    while True:
+        for path, inode in list(left.items()):
+            unlisted = frozenset(p for p in beside.get(path, ()) if p not in owned)
+            try:
+                size = locked_unlink(path, inode, unlisted)
+            except Held:
+                continue
+            del left[path]
+            if size is not None:
+                sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
+                                 f"{os.fsdecode(path)} ({size} bytes): removed\n")
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(HELD_RETRY_S)
+    for path in left:
+        sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
+                         f"{os.fsdecode(path)}, and a live process still holds its lock after "
+                         f"{HELD_WAIT_S:g} s (one forked from the writer?): left; "
+                         "`shmstore gc` removes it once that process is gone\n")
     sys.stderr.flush()
 
 

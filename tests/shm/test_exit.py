@@ -334,3 +334,55 @@ def test_the_trackers_unlink_never_removes_a_file_made_anew_under_the_name(name:
     finally:
         os.close(held)
         path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["released", "held-for-good"])
+def test_a_tracker_tries_a_locked_file_again_and_says_when_it_leaves_it(
+        name: str, released: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A dead writer's file whose lock a live process still holds (a process forked from the
+    writer outside Python shares it, until the server's other processes are killed a moment
+    later) is tried again until it is free, then removed; one held for good is left after
+    HELD_WAIT_S, with a line that says so. Once, a server's store was left in /dev/shm with
+    no line from its tracker, which gave up after 20 tries in 0.1 s."""
+    import fcntl
+    import threading
+
+    from shmstore.shm import _tracker
+
+    monkeypatch.setattr(_tracker, "HELD_WAIT_S", 30.0 if released else 0.5)
+    monkeypatch.setattr(_tracker, "HELD_RETRY_S", 0.01)
+    tries = []
+    real = _tracker.locked_unlink
+
+    def counted(*args: object, **kw: object) -> int | None:
+        tries.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_tracker, "locked_unlink", counted)
+    path = SHM / name
+    path.write_bytes(b"left by a dead writer")
+    holder = os.open(path, os.O_RDONLY)  # a description of its own, holding a shared lock
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    tracker = threading.Thread(target=_tracker._unlink_left,
+                               args=({os.fsencode(path): path.stat().st_ino}, {}, 4242))
+    try:
+        tracker.start()
+        wait_for(lambda: len(tries) >= 2 or not tracker.is_alive(), 30, "a second try")
+        assert len(tries) >= 2, "the tracker gave up on the first held lock"
+        if released:
+            os.close(holder)
+            holder = -1
+        tracker.join(60)
+        assert not tracker.is_alive()
+        said = capsys.readouterr().err
+        if released:
+            assert not path.exists()
+            assert f"writer pid 4242 ended without unlinking {path}" in said and "removed" in said
+        else:
+            assert path.exists()
+            assert "a live process still holds its lock after 0.5 s" in said and "left" in said
+    finally:
+        if holder >= 0:
+            os.close(holder)
+        path.unlink(missing_ok=True)
