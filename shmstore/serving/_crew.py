@@ -32,14 +32,16 @@ import msgpack
 from ._log import log
 from ._outcome import STORED, Outcome, Processor
 
-__all__ = ["ALREADY", "BROKEN_STARTS", "JOB_TIMEOUT_S", "START_TIMEOUT_S", "STOP_TIMEOUT_S",
-           "REAP_POLL_S", "WORKER_NAME", "Says", "Crew", "Worker"]
+__all__ = ["ALREADY", "BROKEN_STARTS", "DIRECT_FRAME_BYTES", "JOB_TIMEOUT_S", "START_TIMEOUT_S",
+           "STOP_TIMEOUT_S", "REAP_POLL_S", "WORKER_NAME", "Says", "Crew", "Worker"]
 
 MAX_DETAIL_CHARS = 512  # a worker's error message, cut here
 START_TIMEOUT_S = 300.0  # a worker that is not ready by then is stopped (loading a model is slow)
 BROKEN_STARTS = 3  # workers that die or fail before ready, in a row: the pool stops starting them
 JOB_TIMEOUT_S = 60.0  # a worker on one item longer than this is stopped (the item falls back)
 STOP_TIMEOUT_S = 5.0  # close(): how long a worker has to exit before it is killed
+DIRECT_FRAME_BYTES = 4096  # a job frame up to this size is written by the dispatcher itself
+# (into a worker's empty socket: an AF_UNIX socket buffers far more), larger ones by a thread
 REAP_POLL_S = 0.005  # a killed worker's exit is polled (waitpid), never waited on its pipe
 OWNER_CHECK_S = 0.5  # where prctl is missing, a worker looks for its owner this often
 WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
@@ -88,21 +90,35 @@ class Worker:
         self.started_at = self.busy_since = time.monotonic()
         self._closing = threading.Lock()
         self._released = self._sent_all = False
-        # jobs go through a thread of their own: a worker that hangs (stopped, stuck in a
-        # library) blocks that thread on a full pipe, never the dispatcher
+        # a job larger than DIRECT_FRAME_BYTES goes through a thread of its own: a worker
+        # that hangs (stopped, stuck in a library) blocks that thread on a full pipe, never
+        # the dispatcher
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         threading.Thread(target=_send_jobs, args=(self,), daemon=True,
                          name=f"shmstore-pool-send-{self.pid}").start()
 
-    def overdue(self, now: float) -> str:
-        """Why this worker is to be stopped now ("" if it is not)."""
+    def overdue(self, now: float, *, look: bool = True) -> str:
+        """Why this worker is to be stopped now ("" if it is not); whether it died is asked
+        of the kernel (waitpid) only where `look`."""
         if self.ready and self.key is not None and now - self.busy_since > JOB_TIMEOUT_S:
             return f"took over {JOB_TIMEOUT_S:.0f} s on item {self.key}"
         if not self.ready and now - self.started_at > START_TIMEOUT_S:
             return f"was not ready after {START_TIMEOUT_S:.0f} s"
-        if not self.process.is_alive():
+        if look and not self.process.is_alive():
             return "died"
         return ""
+
+    def send(self, frame: bytes) -> None:
+        """Send a job. An idle worker's socket is empty (it has read its last job before it
+        answered), so a small frame is written at once, never blocking; a larger one (a photo
+        that rides in its job) goes through the sender thread. Written under the lock release()
+        takes: the socket is never closed under this write."""
+        if len(frame) > DIRECT_FRAME_BYTES:
+            self.outbox.put(frame)
+            return
+        with self._closing, contextlib.suppress(OSError, ValueError):  # died: its sentinel says
+            if not self._released:
+                self.conn.send_bytes(frame)
 
     def release(self) -> None:
         """No job goes to this worker any more: its sender thread stops, and the pipe is
@@ -165,30 +181,22 @@ class Crew:
             theirs.close()
         return Worker(process, ours)
 
-    def waitables(self) -> list[Any]:
-        found: list[Any] = []
-        for w in self.workers:
-            found += [w.conn, w.process.sentinel]
-        return found
-
     def watching(self) -> bool:
         """Whether a start or a job is being timed (the dispatcher then wakes each second)."""
         return any(not w.ready or w.key is not None for w in self.workers)
 
     @staticmethod
-    def read(w: Worker) -> list[Any]:
-        """What `w` said since last asked (its messages, each a list)."""
-        said = []
+    def read(w: Worker) -> Any:
+        """The message `w` sent (its socket is readable: a worker writes each message whole),
+        a list; None at the socket's end (it died: its sentinel, or is_alive, says so)."""
         try:
-            while w.conn.poll():
-                said.append(msgpack.unpackb(w.conn.recv_bytes(), raw=False))
+            return msgpack.unpackb(w.conn.recv_bytes(), raw=False)
         except (OSError, EOFError):
-            pass  # died: its sentinel, or is_alive, says so
+            return None
         except Exception as exc:  # our own child, yet: never trust a frame
             log.warning("shmstore: a miss pool worker (pid %s) sent a malformed message (%s)",
                         w.pid, exc)
-            said.append([Says.DONE.value, Outcome.FAILED.value, "malformed answer"])
-        return said
+            return [Says.DONE.value, Outcome.FAILED.value, "malformed answer"]
 
     def started_badly(self, w: Worker) -> None:
         """`w` died or was stopped before it was ready; after BROKEN_STARTS in a row, broken."""

@@ -9,7 +9,9 @@ store, whatever the engine (an adapter says how one item is processed: a Process
           no worker ready, or more than                 (one copy, into a chunk the host
           max_waiting queued: an outcome at once        lends; no reader owes it)
         the dispatcher thread (one loop):
-          jobs to idle workers             -----> [key, job]                 (msgpack, a Pipe)
+          jobs to idle workers             -----> [key, job]   (msgpack, a socket pair;
+                                                  written by the dispatcher, one over 4 KiB
+                                                  by the worker's sender thread)
             (a key stored meanwhile: STORED,
             not sent; asked of the writer here
             where it is given `stored`)
@@ -37,12 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.connection import wait
 from typing import Any
 
 import msgpack
@@ -56,6 +58,8 @@ __all__ = ["MissPool", "default_workers"]
 
 MIN_DEFAULT_WORKERS = 2  # a default pool smaller than this is none
 MAX_DEFAULT_WORKERS = 8  # each worker holds the model's processor (about 0.5 GB here)
+SWEEP_S = 1.0  # the dispatcher looks at every worker (time limits, alive) at least this often
+# while one starts or works
 
 
 def default_workers(*, taken: int, cores: int | None = None) -> int:
@@ -180,24 +184,35 @@ class MissPool:
             os.write(self._wake_w, b"x")
 
     def _dispatch(self) -> None:
+        """The loop: jobs out, the workers' messages in, the dead and the overdue replaced.
+        One selector for the pool's life, each worker's socket and sentinel registered while
+        it is in the crew: a wake-up reads only the workers that spoke, and asks the kernel
+        whether a worker died only for those that spoke or ended, and of every worker each
+        SWEEP_S (a worker whose forked helper holds its socket and sentinel dies unseen)."""
+        selector = selectors.DefaultSelector()
         try:
-            self._fill()
+            selector.register(self._wake_r, selectors.EVENT_READ, None)
+            self._fill(selector)
+            swept = time.monotonic()
             while not self._closed:
                 self._assign()
                 with self._lock:
-                    waitables = [self._wake_r, *self._crew.waitables()]
-                    timeout = 1.0 if self._crew.watching() else None  # a start or a job to time
-                for ready in wait(waitables, timeout):
-                    if ready == self._wake_r:
-                        os.read(self._wake_r, 4096)
-                said = [(w, self._crew.read(w)) for w in list(self._crew.workers)]
+                    timeout = SWEEP_S if self._crew.watching() else None  # a start or a job
+                said, spoke = self._heard_from(selector, timeout)
+                now = time.monotonic()
+                look: set[Worker] | None = spoke
+                if now - swept >= SWEEP_S:
+                    swept, look = now, None
                 with self._lock:
-                    for w, messages in said:
-                        for message in messages:
-                            self._heard(w, message)
-                    gone = self._gone()
+                    for w, message in said:
+                        self._heard(w, message)
+                    gone = self._gone(now, look)
+                for w in gone:
+                    for fileobj in (w.conn, w.process.sentinel):
+                        with contextlib.suppress(KeyError, ValueError):
+                            selector.unregister(fileobj)
                 self._crew.stop(gone)  # killed and reaped outside the lock
-                self._fill()
+                self._fill(selector)
                 self._flush()
         except Exception:  # a bug here: every job falls back from now on, nothing hangs
             log.exception("shmstore: miss pool of store %r stopped", self.store_name)
@@ -205,8 +220,29 @@ class MissPool:
                 self._crew.broken = "its dispatcher failed"
                 self._fail_all(Outcome.UNAVAILABLE)
             self._flush()
+        finally:
+            selector.close()
 
-    def _fill(self) -> None:
+    def _heard_from(self, selector: selectors.BaseSelector, timeout: float | None,
+                    ) -> tuple[list[tuple[Worker, Any]], set[Worker]]:
+        """Wait for the next event: the messages read, and the workers to look at (their
+        socket ended, or their sentinel is readable)."""
+        said, look = [], set()
+        for key, _ in selector.select(timeout):
+            if key.data is None:
+                os.read(self._wake_r, 4096)
+                continue
+            w, is_socket = key.data
+            if not is_socket:
+                look.add(w)
+            elif (message := self._crew.read(w)) is not None:
+                said.append((w, message))
+            else:  # its end: not reported again; the sentinel or a sweep finds it gone
+                selector.unregister(w.conn)
+                look.add(w)
+        return said, look
+
+    def _fill(self, selector: selectors.BaseSelector) -> None:
         """Start workers up to the pool's size (outside the lock: a spawn takes milliseconds),
         unless the pool is closed or broken. The dispatcher thread starts every worker: each
         dies with it (PR_SET_PDEATHSIG follows the thread that started a process)."""
@@ -215,6 +251,8 @@ class MissPool:
                 if self._closed or self._crew.broken or len(self._crew.workers) >= self.size:
                     return
             w = self._crew.start()
+            selector.register(w.conn, selectors.EVENT_READ, (w, True))
+            selector.register(w.process.sentinel, selectors.EVENT_READ, (w, False))
             with self._lock:
                 self._crew.workers.append(w)
                 self._starts += 1
@@ -230,7 +268,7 @@ class MissPool:
                 if self._stored_now(key):
                     already.append(w)
                 else:
-                    w.outbox.put(frame)
+                    w.send(frame)
             if not already:
                 return
             with self._lock:
@@ -295,13 +333,13 @@ class MissPool:
             log.debug("shmstore: miss pool: %s %s (%s)", key, outcome.value, detail)
         self._settle(key, outcome)
 
-    def _gone(self) -> list[Worker]:
-        """Take out the workers that died or are over a time limit, their jobs falling back
-        ("died"); under the lock. The caller stops them, outside it."""
-        now = time.monotonic()
+    def _gone(self, now: float, look: set[Worker] | None) -> list[Worker]:
+        """Take out the workers that died (of those in `look`; None: of all) or are over a
+        time limit, their jobs falling back ("died"); under the lock. The caller stops them,
+        outside it."""
         keep, gone = [], []
         for w in self._crew.workers:
-            why = w.overdue(now)
+            why = w.overdue(now, look=look is None or w in look)
             if not why:
                 keep.append(w)
                 continue

@@ -324,6 +324,27 @@ def test_a_hung_worker_never_blocks_the_pool(name: str) -> None:
         assert writer.cached(["stuck", "next"]) == [False, True]
 
 
+@pytest.mark.parametrize("job_bytes", [100, 2 * 1024 * KIB], ids=["small", "over-the-buffer"])
+def test_a_stopped_worker_with_a_job_never_holds_up_the_other_workers(
+        name: str, job_bytes: int) -> None:
+    """A small job is written by the dispatcher itself (into the idle worker's empty socket),
+    a larger one by the worker's sender thread: either way, a worker that stopped (SIGSTOP)
+    before reading its job never stops the dispatcher, and the other worker takes the next
+    job. With every frame written by the dispatcher, the large case hangs here."""
+    import signal
+
+    with hosted(name, capacity_bytes=8 * 1024 * KIB), pool_of(name, 2) as pool:
+        stopped, _ = pool.worker_pids()  # the first job goes to the first ready, idle worker
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            stuck = pool.submit("stuck", {"bytes": b"s" * job_bytes})
+            wait_for(lambda: pool.stats().busy == 1, READY_S, "the job sent to the worker")
+            assert outcome(pool, "next", {"bytes": b"n"}) == STORED
+        finally:
+            os.kill(stopped, signal.SIGKILL)
+        assert stuck.result(READY_S) == "died"
+
+
 def test_a_job_over_the_time_limit_stops_its_worker_and_falls_back(
         name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from shmstore.serving import _crew
