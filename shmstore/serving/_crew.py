@@ -181,10 +181,6 @@ class Crew:
             theirs.close()
         return Worker(process, ours)
 
-    def watching(self) -> bool:
-        """Whether a start or a job is being timed (the dispatcher then wakes each second)."""
-        return any(not w.ready or w.key is not None for w in self.workers)
-
     @staticmethod
     def read(w: Worker) -> Any:
         """The message `w` sent (its socket is readable: a worker writes each message whole),

@@ -58,8 +58,7 @@ __all__ = ["MissPool", "default_workers"]
 
 MIN_DEFAULT_WORKERS = 2  # a default pool smaller than this is none
 MAX_DEFAULT_WORKERS = 8  # each worker holds the model's processor (about 0.5 GB here)
-SWEEP_S = 1.0  # the dispatcher looks at every worker (time limits, alive) at least this often
-# while one starts or works
+SWEEP_S = 1.0  # the dispatcher looks at every worker (time limits, alive) this often
 
 
 def default_workers(*, taken: int, cores: int | None = None) -> int:
@@ -188,7 +187,8 @@ class MissPool:
         One selector for the pool's life, each worker's socket and sentinel registered while
         it is in the crew: a wake-up reads only the workers that spoke, and asks the kernel
         whether a worker died only for those that spoke or ended, and of every worker each
-        SWEEP_S (a worker whose forked helper holds its socket and sentinel dies unseen)."""
+        SWEEP_S, busy or idle (a worker whose forked helper holds its socket and sentinel
+        dies unseen otherwise: an idle one is replaced before a job is sent to it)."""
         selector = selectors.DefaultSelector()
         try:
             selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -196,9 +196,7 @@ class MissPool:
             swept = time.monotonic()
             while not self._closed:
                 self._assign()
-                with self._lock:
-                    timeout = SWEEP_S if self._crew.watching() else None  # a start or a job
-                said, spoke = self._heard_from(selector, timeout)
+                said, spoke = self._heard_from(selector, SWEEP_S)
                 now = time.monotonic()
                 look: set[Worker] | None = spoke
                 if now - swept >= SWEEP_S:

@@ -397,6 +397,33 @@ def test_stopping_a_worker_whose_helper_holds_its_pipes_never_holds_up_the_pool(
                         os.kill(int(f.split("-")[1]), signal.SIGKILL)
 
 
+def test_an_idle_worker_that_dies_unseen_is_replaced_before_a_job_goes_to_it(
+        name: str, tmp_path: Any) -> None:
+    """A worker whose processor forked a helper (which holds the worker's socket and
+    sentinel: neither says it died) is killed while idle: the dispatcher's sweep (waitpid
+    on every worker each SWEEP_S, idle or not) replaces it with no job sent to it, so the
+    next job is stored, never lost to a dead worker."""
+    import signal
+
+    gate = str(tmp_path)
+    with hosted(name), pool_of(name, 1, gate) as pool:
+        (pid,) = pool.worker_pids()
+        try:
+            assert outcome(pool, "with-helper", {"bytes": b"h", "helper": True}) == STORED
+            wait_for(lambda: any(f.startswith("helper-") for f in os.listdir(gate)), READY_S,
+                     "the helper")
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: pool.stats().restarts == 1 and pool.stats().ready == 1, READY_S,
+                     "the dead idle worker replaced")
+            assert outcome(pool, "next", {"bytes": b"n"}) == STORED
+            assert pool.stats().fallback["died"] == 0
+        finally:
+            for f in os.listdir(gate):
+                if f.startswith("helper-"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(f.split("-")[1]), signal.SIGKILL)
+
+
 def test_a_job_a_worker_could_not_read_is_refused_where_it_is_submitted(name: str) -> None:
     """msgpack packs a map with int keys, but a worker reads maps with str keys only: such a
     job is refused at submit (it once killed the worker it reached)."""
