@@ -194,6 +194,20 @@ class Crew:
                         w.pid, exc)
             return [Says.DONE.value, Outcome.FAILED.value, "malformed answer"]
 
+    @staticmethod
+    def drain(w: Worker) -> list[Any]:
+        """Every message `w` left in its socket (it ended: its sentinel is readable), read
+        without waiting."""
+        said = []
+        try:
+            while w.conn.poll():
+                if (message := Crew.read(w)) is None:
+                    break
+                said.append(message)
+        except (OSError, EOFError, ValueError):  # its end, or the socket closed
+            pass
+        return said
+
     def started_badly(self, w: Worker) -> None:
         """`w` died or was stopped before it was ready; after BROKEN_STARTS in a row, broken."""
         self.failed_starts += 1

@@ -224,15 +224,20 @@ class MissPool:
     def _heard_from(self, selector: selectors.BaseSelector, timeout: float | None,
                     ) -> tuple[list[tuple[Worker, Any]], set[Worker]]:
         """Wait for the next event: the messages read, and the workers to look at (their
-        socket ended, or their sentinel is readable)."""
+        socket ended, or their sentinel is readable: whatever such a worker said last is read
+        first, all of it, never blocking)."""
         said, look = [], set()
-        for key, _ in selector.select(timeout):
+        events = selector.select(timeout)
+        ended = {key.data[0] for key, _ in events if key.data is not None and not key.data[1]}
+        for key, _ in events:
             if key.data is None:
                 os.read(self._wake_r, 4096)
                 continue
             w, is_socket = key.data
-            if not is_socket:
-                look.add(w)
+            if w in ended:
+                if not is_socket:
+                    said += [(w, message) for message in self._crew.drain(w)]
+                    look.add(w)
             elif (message := self._crew.read(w)) is not None:
                 said.append((w, message))
             else:  # its end: not reported again; the sentinel or a sweep finds it gone

@@ -460,3 +460,24 @@ def test_a_workers_pipe_is_closed_only_once_its_sender_stopped_writing() -> None
         wait_for(lambda: ours.closed, READY_S, "the sender to close the pipe")
     finally:
         theirs.close()
+
+
+def test_what_a_worker_said_before_it_ended_is_read_whole_and_never_waited_for() -> None:
+    """A worker that ended (its sentinel readable) may have left messages in its socket: the
+    dispatcher reads all of them, then stops at the socket's end without waiting."""
+    import types
+
+    import msgpack
+
+    from shmstore.serving._crew import Crew, Worker
+
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    worker = Worker(types.SimpleNamespace(pid=0), ours)
+    try:
+        theirs.send_bytes(msgpack.packb(["ready"]))
+        theirs.send_bytes(msgpack.packb(["done", "stored", ""]))
+        theirs.close()
+        assert Crew.drain(worker) == [["ready"], ["done", "stored", ""]]
+        assert Crew.drain(worker) == []  # at its end: nothing, at once
+    finally:
+        worker.release()
