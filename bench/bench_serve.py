@@ -116,6 +116,8 @@ API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's ca
 POOL = 64  # images the zipf mix draws from
 MODEL = ["llava"]  # --model
 THREADS = False  # --threads
+STALLS: list[Path] = []  # --stalls DIR: each server's processes say where they stalled
+# ([DIR, the running server's folder])
 
 
 class Images:
@@ -331,7 +333,7 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
             with lock:
                 times.append(took)
 
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.time()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
@@ -343,6 +345,9 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
     cpu_after = cpu_seconds(server.proc.pid)
     times.sort()
     found: dict[str, Any] = {}
+    if STALLS:  # the cell's wall-clock span, to place the stalls the processes wrote
+        with (STALLS[-1] / "timed").open("a") as spans:
+            spans.write(f"{began} {began + wall}\n")
     if THREADS:  # one API server: the server's first process
         found["api_cpu_ms_per_request_by_thread"] = by_thread(server.proc.pid, threads_before,
                                                               len(times))
@@ -394,6 +399,11 @@ def run_config(name: str, model: Path, n: int, log_dir: Path, image_size: int,
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SHMSTORE_VLLM": "1" if shmstore else "0",
            "PYTHONPATH": f"{ROOT / 'bench' / 'ipc_bytes'}:{ROOT}",
            "SHMSTORE_BENCH_BYTES_DIR": str(counts), **extra_env}
+    if STALLS:  # a folder per server: one file per process (bench/ipc_bytes/sitecustomize.py)
+        stalls = STALLS[0] / f"{name}-{time.strftime('%H%M%S')}"
+        stalls.mkdir(parents=True)
+        env["SHMSTORE_BENCH_STALL_DIR"] = str(stalls)
+        STALLS[1:] = [stalls]  # this server's: where run_cell writes its cells' spans
     shm_before = shm_bytes()
     # two prompts' worth of image tokens (LLaVA-NeXT: up to five crops' and their newlines)
     max_len = max(1024, (2 if MODEL[0] == "llava" else 6) * (image_size // 14) ** 2)
@@ -441,6 +451,9 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true",
                         help="also the API server's CPU per request by thread (configurations "
                         "with one API server; thread names need py-spy: pip install py-spy)")
+    parser.add_argument("--stalls", type=Path,
+                        help="a folder where every process of each server writes the stacks "
+                        "of its threads whenever none of them could run for 0.3 s, and when")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT p50 per cell and configuration")
     parser.add_argument("--from-json", type=Path, help="report (and plot) a saved --json run")
@@ -456,6 +469,8 @@ def main() -> None:
     MODEL[0] = args.model
     global IMAGES, THREADS
     THREADS = args.threads
+    if args.stalls:
+        STALLS.append(args.stalls.resolve())
     IMAGES = Images(args.photo_mp, args.source)
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}
@@ -467,6 +482,8 @@ def main() -> None:
                                              args.mixes.split(","), args.cache_gb))
                 print(f"{name}: done", file=sys.stderr, flush=True)
     IMAGES.close()
+    if STALLS:
+        stall_report(STALLS[0])
     result = summarize(runs)
     result["image_size"] = args.image_size
     result["repeats"] = args.repeats
@@ -477,6 +494,29 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)
+
+
+def stall_report(root: Path) -> None:
+    """The stalls (bench/ipc_bytes/sitecustomize.py) that fell inside a timed cell, per server
+    and process: when, how long, and the stacks its threads stood in."""
+    for server in sorted(p for p in root.iterdir() if p.is_dir()):
+        timed = server / "timed"
+        spans = ([tuple(map(float, line.split())) for line in timed.read_text().splitlines()]
+                 if timed.exists() else [])
+        found = 0
+        for log in sorted(p for p in server.iterdir() if p.name.isdigit()):
+            lines = log.read_text(errors="replace").splitlines()
+            start = 0
+            for i, line in enumerate(lines):
+                if not line.startswith("stalled: "):
+                    continue
+                late, woke = float(line.split()[1]), float(line.rsplit(" ", 1)[1])
+                if any(a <= woke and woke - late <= b for a, b in spans):
+                    found += 1
+                    print(f"{server.name}: {lines[0]}\n  {line}")
+                    print("\n".join("    " + x for x in lines[start:i][-40:]))
+                start = i + 1
+        print(f"{server.name}: {found} stall(s) of over 0.3 s inside its timed cells")
 
 
 def _median(values: Any) -> Any:

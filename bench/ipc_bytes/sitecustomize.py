@@ -1,6 +1,7 @@
 """Counts the bytes vLLM serializes for inter-process messages, in every process of a server
 that bench_serve.py starts with this folder first on PYTHONPATH and SHMSTORE_BENCH_BYTES_DIR
-set (no effect otherwise).
+set (no effect otherwise); with SHMSTORE_BENCH_STALL_DIR set too (bench_serve.py --stalls),
+also says where each process stood when it stalled (below).
 
 Every message between vLLM's API servers and its engine cores (requests, hits included, with
 their multimodal items by value under the processor-only fallback; outputs back) goes through
@@ -60,9 +61,38 @@ def _watch(directory: str) -> None:
         time.sleep(0.2)
 
 
+# A stall: a process whose Python threads cannot run for STALL_S (one holds the GIL in a
+# long call, or the process is not scheduled). A thread re-arms faulthandler's timer every
+# STALL_TICK_S; where it cannot, the timer's own thread (C, no GIL needed) writes every
+# thread's stack into DIR/PID, and the thread, once it runs again, writes the wall time and
+# how late it was.
+_STALL_DIR = os.environ.get("SHMSTORE_BENCH_STALL_DIR")
+STALL_S = 0.3
+STALL_TICK_S = 0.05
+
+
+def _watch_stalls(directory: str) -> None:
+    import faulthandler
+
+    with open(os.path.join(directory, str(os.getpid())), "a") as out:
+        out.write(f"process {os.getpid()} {' '.join(sys.argv)[:200]}\n")
+        out.flush()
+        while True:
+            faulthandler.dump_traceback_later(STALL_S, file=out)
+            before = time.monotonic()
+            time.sleep(STALL_TICK_S)
+            late = time.monotonic() - before - STALL_TICK_S
+            if late > STALL_S:
+                out.write(f"stalled: {late:.3f} s late, woke at {time.time():.3f}\n")
+                out.flush()
+
+
 def _start() -> None:
     if _DIR:
         threading.Thread(target=_watch, args=(_DIR,), daemon=True, name="ipc-bytes").start()
+    if _STALL_DIR:
+        threading.Thread(target=_watch_stalls, args=(_STALL_DIR,), daemon=True,
+                         name="stall-watch").start()
 
 
 def _start_in_child() -> None:
