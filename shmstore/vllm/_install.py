@@ -13,7 +13,7 @@ import os
 import time
 
 from .._proc import pid_alive, proc_stat
-from ..errors import ShmStoreError
+from ..errors import SegmentExists, ShmStoreError
 from ..serving._log import log_to
 from ..shm._segment import Segment, peek_header
 from ._deployment import Deployment
@@ -44,12 +44,17 @@ def _remove_if_orphaned(name: str) -> None:
         while pid_alive(writer) and time.monotonic() < deadline:
             time.sleep(0.01)
     if pid_alive(writer):
+        log.info("shmstore: store %r left to its writer (pid %d), which still runs", name,
+                 writer)
         return
     try:
         if Segment.remove_stale(name):
             log.info("shmstore: removed store %r, whose writer was killed", name)
+    except SegmentExists:  # its lock held by a live process: the writer's tracker retries
+        log.info("shmstore: store %r left to its writer's tracker: a live process still "
+                 "holds its lock", name)
     except (ShmStoreError, OSError):
-        pass  # its writer lives (it unlinks it), or it is not a shmstore segment
+        pass  # not a shmstore segment, or gone meanwhile
 
 
 def install() -> None:

@@ -4,6 +4,8 @@ needs a model; the end-to-end engine test builds one)."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -50,6 +52,7 @@ from shmstore.vllm._env import (  # noqa: E402
     ALLOW_ENV,
     INSECURE_ENV,
     KEYS_ENV,
+    LOG_NAME,
     PUBLISH_ENV,
     WAIT_ENV,
 )
@@ -712,10 +715,12 @@ def test_a_node_feed_skips_what_it_cannot_use_and_follows_a_relay_that_died(name
 
 
 @pytest.mark.slow
-def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(name: str) -> None:
+def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(
+        name: str, caplog: pytest.LogCaptureFixture) -> None:
     """vLLM's launcher SIGKILLs its API servers at shutdown: whichever process of the server
     exits after the writer removes its store. A live writer's store, and a segment of that name
-    that is not shmstore's (vLLM's own), are left alone."""
+    that is not shmstore's (vLLM's own), are left alone; one whose lock a live process still
+    holds is left to the writer's tracker, with a line that says so."""
     path = os.path.join("/dev/shm", name)
     made = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from shmstore import ObjectStore; "
@@ -726,6 +731,15 @@ def test_a_store_whose_writer_was_killed_is_removed_at_exit_and_nothing_else(nam
         _remove_if_orphaned(name)
         assert os.path.exists(path)  # its writer lives
         made.kill()  # at once, as vLLM's launcher does: the parent waits for it to be gone
+        held = os.open(path, os.O_RDONLY)  # a live process holds its lock: left, and said
+        try:
+            fcntl.flock(held, fcntl.LOCK_SH)
+            with caplog.at_level(logging.INFO, logger=LOG_NAME):
+                _remove_if_orphaned(name)
+            assert os.path.exists(path)
+            assert "left to its writer's tracker" in caplog.text
+        finally:
+            os.close(held)
         _remove_if_orphaned(name)  # (a zombie, not reaped: dead)
         assert not os.path.exists(path)
     finally:
