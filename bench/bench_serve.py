@@ -4,7 +4,8 @@ vLLM's own caches against shmstore's.
     OMP_NUM_THREADS=1 python bench/bench_serve.py [--quick] [--image-size 336] [--repeats 1]
                                                   [--mixes 0%,100%,zipf,fill] [--n 24]
                                                   [--photo-mp 3] [--source data|url]
-                                                  [--cache-gb 1] [--threads]
+                                                  [--cache-gb 1] [--threads] [--timeline]
+                                                  [--stalls DIR]
                                                   [--json PATH] [--plot PNG]
     python bench/bench_serve.py --from-json PATH [--plot PNG]   (a saved run, again)
 
@@ -116,6 +117,7 @@ API_SERVERS = 2  # of the api2 and dp2 shapes (the fill cell fills each one's ca
 POOL = 64  # images the zipf mix draws from
 MODEL = ["llava"]  # --model
 THREADS = False  # --threads
+TIMELINE = False  # --timeline
 STALLS: list[Path] = []  # --stalls DIR: each server's processes say where they stalled
 # ([DIR, the running server's folder])
 
@@ -322,6 +324,7 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
     threads_before = thread_seconds(server.proc.pid) if THREADS else {}
     lock = threading.Lock()
     queue = list(seeds)
+    timeline: list[tuple[float, float, int]] = []  # (sent, TTFT, image) of each request
 
     def worker() -> None:
         while True:
@@ -329,9 +332,11 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
                 if not queue:
                     return
                 seed = queue.pop(0)
+            sent = time.time()
             took = ttft(server, seed)
             with lock:
                 times.append(took)
+                timeline.append((sent, took, seed))
 
     start, began = time.perf_counter(), time.time()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -345,6 +350,8 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
     cpu_after = cpu_seconds(server.proc.pid)
     times.sort()
     found: dict[str, Any] = {}
+    if TIMELINE:
+        print_timeline(timeline, concurrency)
     if STALLS:  # the cell's wall-clock span, to place the stalls the processes wrote
         with (STALLS[-1] / "timed").open("a") as spans:
             spans.write(f"{began} {began + wall}\n")
@@ -451,6 +458,9 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true",
                         help="also the API server's CPU per request by thread (configurations "
                         "with one API server; thread names need py-spy: pip install py-spy)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print each timed request: when sent, its TTFT, when its first "
+                        "token came (stderr)")
     parser.add_argument("--stalls", type=Path,
                         help="a folder where every process of each server writes the stacks "
                         "of its threads whenever none of them could run for 0.3 s, and when")
@@ -467,8 +477,9 @@ def main() -> None:
     n = 6 if args.quick else args.n
     CONCURRENCY[:] = [int(c) for c in args.concurrency.split(",")]
     MODEL[0] = args.model
-    global IMAGES, THREADS
+    global IMAGES, THREADS, TIMELINE
     THREADS = args.threads
+    TIMELINE = args.timeline
     if args.stalls:
         STALLS.append(args.stalls.resolve())
     IMAGES = Images(args.photo_mp, args.source)
@@ -494,6 +505,15 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)
+
+
+def print_timeline(timeline: list[tuple[float, float, int]], concurrency: int) -> None:
+    """Each request of a cell in the order sent: when it was sent and when its first token
+    came, from the cell's start (which request waited while later ones went through)."""
+    t0 = min(sent for sent, _, _ in timeline)
+    print(f"timeline, c{concurrency}: sent s, TTFT s, first token s, image", file=sys.stderr)
+    for sent, took, seed in sorted(timeline):
+        print(f"  {sent - t0:7.3f} {took:7.3f} {sent - t0 + took:7.3f}  {seed}", file=sys.stderr)
 
 
 def stall_report(root: Path) -> None:
