@@ -338,6 +338,7 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
                 times.append(took)
                 timeline.append((sent, took, seed))
 
+    phases = engine_phases(server) if TIMELINE else {}
     start, began = time.perf_counter(), time.time()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -352,6 +353,7 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
     found: dict[str, Any] = {}
     if TIMELINE:
         print_timeline(timeline, concurrency)
+        print_phases(phases, engine_phases(server))
     if STALLS:  # the cell's wall-clock span, to place the stalls the processes wrote
         with (STALLS[-1] / "timed").open("a") as spans:
             spans.write(f"{began} {began + wall}\n")
@@ -514,6 +516,35 @@ def print_timeline(timeline: list[tuple[float, float, int]], concurrency: int) -
     print(f"timeline, c{concurrency}: sent s, TTFT s, first token s, image", file=sys.stderr)
     for sent, took, seed in sorted(timeline):
         print(f"  {sent - t0:7.3f} {took:7.3f} {sent - t0 + took:7.3f}  {seed}", file=sys.stderr)
+
+
+PHASES = ("queue", "prefill")  # vLLM's histograms vllm:request_{phase}_time_seconds
+
+
+def engine_phases(server: Server) -> dict[tuple[str, str], float]:
+    """vLLM's own histograms of the time its engine kept requests waiting (queue) and in
+    prefill, bucket by bucket (cumulative counts), summed over every label set."""
+    text = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+    found: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        for phase in PHASES:
+            head = f"vllm:request_{phase}_time_seconds_bucket{{"
+            if line.startswith(head) and 'le="' in line:
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                found[phase, le] = found.get((phase, le), 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def print_phases(before: dict[tuple[str, str], float],
+                 after: dict[tuple[str, str], float]) -> None:
+    """How many of the cell's requests the engine kept over each bucket's bound, per phase."""
+    for phase in PHASES:
+        bounds = sorted((float(le), le) for p, le in after if p == phase and le != "+Inf")
+        total = after.get((phase, "+Inf"), 0.0) - before.get((phase, "+Inf"), 0.0)
+        over = [f">{b:g}s {total - (after[phase, le] - before.get((phase, le), 0.0)):.0f}"
+                for b, le in bounds if 0.2 <= b <= 2.5]
+        print(f"  engine {phase} time, requests over: " + ", ".join(over) + f" (of {total:.0f})",
+              file=sys.stderr)
 
 
 def stall_report(root: Path) -> None:
