@@ -78,3 +78,17 @@ def _link(path: str) -> str:
         return os.readlink(path)
     except OSError:
         return ""
+
+
+def wait_removed(prefix: str, timeout_s: float, story: str = "") -> None:
+    """Wait until no /dev/shm entry starts with `prefix`; if one stays, AssertionError with
+    who holds each one left (holders) and `story` (a server's log)."""
+    from tests._waiting import wait_for
+
+    def left() -> list[str]:
+        return [e for e in os.listdir(SHM) if e.startswith(prefix)]
+
+    try:
+        wait_for(lambda: not left(), timeout_s, f"{prefix} to be removed")
+    except AssertionError as exc:
+        raise AssertionError("\n".join([str(exc), *map(holders, left()), story])) from None

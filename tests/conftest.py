@@ -111,7 +111,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(RPC_DIR, ignore_errors=True)
     left = leftover_segments()
     if left:
+        from tests._shm import holders
+
         for entry in left:
+            print(f"\n{holders(entry)}")
             try:
                 os.unlink(os.path.join(SHM_DIR, entry))
             except OSError:

@@ -20,11 +20,12 @@ never torn by a signal):
 The pipe ends when every copy of its write end is closed: at the writer's exit, whatever ends
 it (a forked child closes its inherited copy at once). The tracker then waits until its writer
 is really gone (its pid and the start time it gave, so a reused pid cannot fool it; a writer
-that closed the pipe by mistake keeps its names until it exits), and unlinks every name still
-listed whose file is still the one the writer created (same inode: a name another writer took
-over since is left alone); a file whose lock a live process still holds is tried again for
-up to HELD_WAIT_S. It says what it removed, and what it left, on stderr, which it shares with
-its writer (a server's log).
+that closed the pipe by mistake keeps its names until it exits; a writer gone while a process
+forked from it outside Python still holds the pipe is seen gone within WRITER_POLL_S), and
+unlinks every name still listed whose file is still the one the writer created (same inode: a
+name another writer took over since is left alone); a file whose lock a live process still
+holds is tried again for up to HELD_WAIT_S, then left with the holders named. It says what it
+removed, and what it left, on stderr, which it shares with its writer (a server's log).
 
 It runs in a session of its own and ignores SIGINT, SIGTERM and SIGHUP, so the signals that stop
 its writer's process group (Ctrl-C, a terminal hang-up, `kill -- -PGID`, systemd's first
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
 import signal
 import stat
 import sys
@@ -198,9 +200,24 @@ def _unlink_left(owned: dict[bytes, int], beside: dict[bytes, set[bytes]],
     for path in left:
         sys.stderr.write(f"shmstore: writer pid {writer} ended without unlinking "
                          f"{os.fsdecode(path)}, and a live process still holds its lock after "
-                         f"{HELD_WAIT_S:g} s (one forked from the writer?): left; "
-                         "`shmstore gc` removes it once that process is gone\n")
+                         f"{HELD_WAIT_S:g} s ({_holding(path) or 'one forked from the writer?'})"
+                         ": left; `shmstore gc` removes it once that process is gone\n")
     sys.stderr.flush()
+
+
+def _holding(path: bytes) -> str:
+    """The processes that have `path` open ("pid N (name)", comma-separated), as /proc shows
+    those this user may look at."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == os.fsdecode(path) for fd in fds):
+                with open(f"/proc/{pid}/comm") as comm:
+                    found.append(f"pid {pid} ({comm.read().strip()})")
+        except OSError:
+            continue
+    return ", ".join(found)
 
 
 def main(argv: list[str]) -> int:
@@ -214,6 +231,10 @@ def main(argv: list[str]) -> int:
     pending = b""
     while True:
         try:
+            if not select.select([0], [], [], WRITER_POLL_S)[0]:
+                if _start_time(writer) != started:
+                    break  # gone, though its pipe lives on (in a process forked from it)
+                continue
             data = os.read(0, 65536)
         except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
             continue

@@ -382,7 +382,39 @@ def test_a_tracker_tries_a_locked_file_again_and_says_when_it_leaves_it(
         else:
             assert path.exists()
             assert "a live process still holds its lock after 0.5 s" in said and "left" in said
+            assert f"pid {os.getpid()} (" in said  # the holder, named
     finally:
         if holder >= 0:
             os.close(holder)
         path.unlink(missing_ok=True)
+
+
+def test_a_tracker_whose_writer_is_gone_goes_on_though_its_pipe_lives(name: str) -> None:
+    """A process forked from the writer outside Python (no at-fork handler closes its copy)
+    keeps the tracker's pipe open after the writer is gone: the tracker sees the writer gone
+    (its pid and start time) and removes what it left anyway. Here the test holds the pipe's
+    write end, as such a process would; the tracker waited for the pipe's end for ever."""
+    from shmstore.shm import _tracker
+
+    path = SHM / name
+    path.write_bytes(b"left by a dead writer")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(f"/proc/{writer.pid}/stat", "rb") as f:
+        started = int(f.read().rpartition(b")")[2].split()[19])
+    read, write = os.pipe()
+    tracker = subprocess.Popen([sys.executable, "-I", "-S", _tracker.__file__, str(writer.pid),
+                                str(started)], stdin=read, stderr=subprocess.PIPE)
+    os.close(read)
+    try:
+        os.write(write, f"+{path.stat().st_ino} {path}\n".encode())
+        writer.kill()
+        writer.wait()
+        wait_for(lambda: not path.exists(), 30, "the tracker to remove the dead writer's file")
+        tracker.wait(30)  # its first process; the tracker itself has forked away and ends
+    finally:
+        os.close(write)
+        writer.kill()
+        writer.wait()
+        path.unlink(missing_ok=True)
+        if tracker.stderr is not None:
+            tracker.stderr.close()

@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from shmstore._proc import pid_alive
-from tests._shm import holders
+from tests._shm import wait_removed
 from tests._waiting import wait_for
 from tests.conftest import new_name
 from tests.vllm.served import MAX_MODEL_LEN, MediaServer, Server, jpeg_part
@@ -140,12 +140,7 @@ def shaped(request: pytest.FixtureRequest, model: Path,
     server.stop()
     # unlinked by API server 0's exit, or, where vLLM's launcher SIGKILLed it first, by its
     # tracker process, which may still be at it when the launcher has exited
-    try:
-        wait_for(lambda: not Path("/dev/shm", server.segment).exists(), 60, "the segment to go")
-    except AssertionError as exc:  # who keeps it, for the next reader of this failure
-        raise AssertionError(f"{exc}\n{holders(server.segment)}\n"
-                             f"{log_story(Path(server.log.name))}"
-                             ) from None
+    wait_removed(server.segment, 60, log_story(Path(server.log.name)))
     wait_for(lambda: not any(pid_alive(pid) for pid in workers), 60,
              "the pool's workers to exit")
     assert not Path(server.rpc_dir).exists()

@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from tests._shm import wait_removed
 from tests._waiting import wait_for
 from tests.conftest import new_name
 from tests.vllm.tiny_llava import build
@@ -86,8 +87,7 @@ def test_the_guides_cpu_line_starts_a_server_as_printed(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
-    wait_for(lambda: not any(p.startswith(segment) for p in os.listdir("/dev/shm")), 60,
-             f"{segment} to be removed")
+    wait_removed(segment, 60, log.read_text()[-5000:])
 
 
 def test_a_start_refused_by_vllms_memory_check_leaves_no_segment(tmp_path: Path) -> None:
@@ -115,5 +115,4 @@ def test_a_start_refused_by_vllms_memory_check_leaves_no_segment(tmp_path: Path)
     assert returncode != 0, text[-3000:]
     assert f"segment '{segment}'" in text, text[-3000:]  # the store was made before the check
     assert "less than requested memory for kv" in text, text[-3000:]
-    wait_for(lambda: not any(p.startswith(segment) for p in os.listdir("/dev/shm")), 60,
-             f"{segment} to be removed")
+    wait_removed(segment, 60, log.read_text()[-5000:])
