@@ -8,6 +8,7 @@ import os
 
 from shmstore._proc import pid_alive, proc_stat
 from shmstore.shm._header import peek_header
+from shmstore.shm._tracker import opened_by
 
 SHM = "/dev/shm"
 
@@ -56,11 +57,10 @@ def holders(entry: str) -> str:
     header = peek_header(entry)
     lines = [f"{path}: writer pid {header[2]} state {proc_stat(header[2])}" if header
              else f"{path}: no shmstore header"]
+    opened = set(opened_by(path))
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        how = []
+        how = ["open"] if int(pid) in opened else []
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            how += [f"fd {fd}" for fd in fds if _link(f"/proc/{pid}/fd/{fd}") == path]
             with open(f"/proc/{pid}/maps") as maps:
                 how += ["mapped"] if any(line.rstrip().endswith(path) for line in maps) else []
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -71,13 +71,6 @@ def holders(entry: str) -> str:
             lines.append(f"  pid {pid} {proc_stat(int(pid))} ({', '.join(how) or 'tracker'}):"
                          f" {cmd}")
     return "\n".join(lines)
-
-
-def _link(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
 
 
 def wait_removed(prefix: str, timeout_s: float, story: str = "") -> None:

@@ -209,15 +209,26 @@ def _holding(path: bytes) -> str:
     """The processes that have `path` open ("pid N (name)", comma-separated), as /proc shows
     those this user may look at."""
     found = []
+    for pid in opened_by(path):
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                found.append(f"pid {pid} ({comm.read().strip()})")
+        except OSError:
+            continue
+    return ", ".join(found)
+
+
+def opened_by(path: bytes | str) -> list[int]:
+    """The pids of the processes that have `path` open, of those /proc lets this user see."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") == os.fsdecode(path) for fd in fds):
-                with open(f"/proc/{pid}/comm") as comm:
-                    found.append(f"pid {pid} ({comm.read().strip()})")
+                found.append(int(pid))
         except OSError:
             continue
-    return ", ".join(found)
+    return found
 
 
 def main(argv: list[str]) -> int:
