@@ -12,8 +12,8 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["MAX_SECONDS", "PID_MAX_LIMIT", "pid_alive", "proc_stat", "fork_generation", "int_arg",
-           "number_arg"]
+__all__ = ["MAX_SECONDS", "PID_MAX_LIMIT", "pid_alive", "proc_stat", "threads_left",
+           "fork_generation", "int_arg", "number_arg"]
 
 MAX_SECONDS = 1e12  # the largest timeout taken (about 31,700 years): larger is a mistake
 PID_MAX_LIMIT = 1 << 22  # Linux's hard ceiling for pid_max (4194304); larger pids cannot exist
@@ -46,7 +46,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     stat = proc_stat(pid)  # a zombie (killed, not yet reaped by its parent) holds nothing
-    return stat is None or stat[0] not in ("Z", "X")
+    return stat is None or stat[0] not in ("Z", "X") or threads_left(pid)
+
+
+def threads_left(pid: int) -> bool:
+    """Whether process `pid`'s leader thread has ended while other threads of it run or still
+    exit (a SIGKILLed process tearing down a large address space, or a leader that called
+    pthread_exit): /proc shows the leader a zombie, yet the process holds its descriptors,
+    locks and mappings until its last thread is gone."""
+    try:
+        return any(tid != str(pid) for tid in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return False
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:

@@ -4,7 +4,11 @@ CI job) is that writer's, not this test's leftover; a queue's semaphore goes wit
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 from shmstore._proc import pid_alive, proc_stat
 from shmstore.shm._header import peek_header
@@ -85,3 +89,35 @@ def wait_removed(prefix: str, timeout_s: float, story: str = "") -> None:
         wait_for(lambda: not left(), timeout_s, f"{prefix} to be removed")
     except AssertionError as exc:
         raise AssertionError("\n".join([str(exc), *map(holders, left()), story])) from None
+
+
+# A process whose leader thread ends (pthread_exit) while another of its threads holds `path`
+# open and waits for its stdin to close: what /proc shows of a SIGKILLed server while it tears
+# down, for as long as the test wants.
+_LEADER_GONE = """
+import ctypes, sys, threading
+held = open(sys.argv[1], "rb")
+threading.Thread(target=sys.stdin.read).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+@contextlib.contextmanager
+def leader_gone(path: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A process whose leader is a zombie while a thread of it holds `path` open; it ends once
+    the block closes its stdin (`proc.stdin.close()`) and is reaped at the block's end."""
+    from tests._waiting import wait_for
+
+    proc = subprocess.Popen([sys.executable, "-c", _LEADER_GONE, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        wait_for(lambda: (proc_stat(proc.pid) or ("",))[0] == "Z", 30, "its leader to end")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(30)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()

@@ -52,11 +52,14 @@ HELD_RETRY_S = 0.25
 
 def _start_time(pid: int) -> int | None:
     """The start time of process `pid` (clock ticks after boot), None if it is gone or a
-    zombie (a process killed and not yet reaped holds nothing)."""
+    zombie (a process killed and not yet reaped holds nothing). A leader that is a zombie
+    while other threads of its process run or still exit is not gone: they hold its files
+    and its lock until the last of them ends (_proc.threads_left, which this script cannot
+    import)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rpartition(b")")[2].split()
-        if fields[0] in (b"Z", b"X"):
+        if fields[0] in (b"Z", b"X") and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
             return None
         return int(fields[19])
     except (OSError, ValueError, IndexError):
@@ -219,16 +222,33 @@ def _holding(path: bytes) -> str:
 
 
 def opened_by(path: bytes | str) -> list[int]:
-    """The pids of the processes that have `path` open, of those /proc lets this user see."""
+    """The pids of the processes that have `path` open, of those /proc lets this user see
+    (a process whose leader has exited while its other threads still run, or still exit,
+    through those threads: its own fd folder is empty then)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        base = f"/proc/{pid}"
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == os.fsdecode(path) for fd in fds):
+            if _has_open(base, path):
                 found.append(int(pid))
+                continue
+            if os.listdir(f"{base}/fd"):  # its descriptors are its own: not open
+                continue
+            tids = os.listdir(f"{base}/task")
         except OSError:
             continue
+        if any(_has_open(f"{base}/task/{tid}", path) for tid in tids if tid != pid):
+            found.append(int(pid))
     return found
+
+
+def _has_open(proc: str, path: bytes | str) -> bool:
+    """Whether the process or thread at /proc path `proc` has `path` open."""
+    try:
+        return any(os.readlink(f"{proc}/fd/{fd}") == os.fsdecode(path)
+                   for fd in os.listdir(f"{proc}/fd"))
+    except OSError:
+        return False
 
 
 def main(argv: list[str]) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests._names import Segment
+from tests._shm import leader_gone
 from tests._waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -418,3 +419,21 @@ def test_a_tracker_whose_writer_is_gone_goes_on_though_its_pipe_lives(name: str)
         path.unlink(missing_ok=True)
         if tracker.stderr is not None:
             tracker.stderr.close()
+
+
+def test_a_trackers_writer_whose_leader_ended_lives_while_its_threads_hold_its_files(
+        tmp_path: Path) -> None:
+    """A SIGKILLed writer's leader is a zombie while its other threads tear down: its files and
+    lock are still held. The tracker waits for it, and the scan that names who holds a file
+    finds it (its leader's descriptor folder is empty then)."""
+    from shmstore.shm._tracker import _start_time, opened_by
+
+    held = tmp_path / "held"
+    held.write_bytes(b"x")
+    with leader_gone(str(held)) as proc:
+        assert _start_time(proc.pid) is not None
+        assert opened_by(str(held)) == [proc.pid]
+        assert proc.stdin is not None
+        proc.stdin.close()
+        wait_for(lambda: _start_time(proc.pid) is None, 30, "the writer to end")
+        assert opened_by(str(held)) == []

@@ -9,11 +9,13 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import posix_ipc
 import pytest
 
+from shmstore._proc import proc_stat
 from shmstore.shm._segment import (
     KIND_QUEUE,
     KIND_RING,
@@ -35,6 +37,8 @@ from tests._names import (
     VersionMismatch,
     WrongSegmentKind,
 )
+from tests._shm import leader_gone
+from tests._waiting import wait_for
 
 
 def test_header_offsets_match_the_documented_layout() -> None:
@@ -282,6 +286,18 @@ def test_a_killed_process_not_yet_reaped_is_dead() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_whose_leader_ended_while_a_thread_runs_is_alive(tmp_path: Path) -> None:
+    held = tmp_path / "held"
+    held.write_bytes(b"x")
+    with leader_gone(str(held)) as proc:
+        assert (proc_stat(proc.pid) or ("",))[0] == "Z"  # as /proc shows a SIGKILLed server
+        assert pid_alive(proc.pid)  # its thread runs, holding what the process holds
+        assert proc.stdin is not None
+        proc.stdin.close()  # the thread ends, and the process with it
+        wait_for(lambda: not pid_alive(proc.pid), 30, "the process to end")
+        assert os.path.exists(f"/proc/{proc.pid}")  # a zombie, not reaped yet: dead
 
 
 def test_prefault_off_still_works(name: str) -> None:
