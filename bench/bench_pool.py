@@ -54,7 +54,6 @@ def cpu_s(pid: int) -> float:
 # Where the pool's own process spends its CPU on pooled misses: each thread's CPU clock, by role.
 ROLES = (("shmstore-pool-send-", "sender threads (a job into a worker's pipe)"),
          ("shmstore-pool-", "dispatcher thread"),
-         ("shmstore-serve-store", "store's host (the workers' stores)"),
          ("shmstore-serve-the miss pool", "pool's host (the client's jobs)"),
          ("MainThread", "main thread (send, wait)"))
 THREAD_CPU: dict[int, dict[str, float]] = {1: {}, 2: {}}  # pool size: role: seconds
@@ -237,7 +236,6 @@ def main() -> None:
     from shmstore.serving._photos import PhotoOutbox
     from shmstore.serving._pool import MissPool
     from shmstore.serving._pool_share import PoolHost
-    from shmstore.store._host import WriterHost
     from shmstore.vllm._accel._pool import make_processor
     from shmstore.vllm._vllm import build_processor
     from tests.vllm.tiny_llava import build
@@ -259,13 +257,11 @@ def main() -> None:
         stores = {n: ObjectStore.create(name, capacity_bytes=512 * MIB, n_readers=1)
                   for n, name in names.items()}
         locks = {n: threading.RLock() for n in names}  # the writer's, as open_writer's
-        hosts = [WriterHost(stores[n], locks[n]) for n in names]
         writers = {n: Writers(stores[n], stores[n], lock=locks[n]) for n in names}
-        pools = {n: MissPool(names[n], Processor("shmstore.vllm._accel._pool:make_processor",
-                                                 (config,)), workers=n,
-                             max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"},
-                             stored=writers[n].stored)  # as open_pool makes it
-                 for n in (1, 2)}
+        pools = {n: MissPool(writers[n], Processor("shmstore.vllm._accel._pool:make_processor",
+                                                   (config,)), workers=n,
+                             max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"})
+                 for n in (1, 2)}  # as open_pool makes it
         outboxes = [PhotoOutbox(name) for name in names.values()]
         nodes = {n: NodePool(pool=pools[n], outbox=outboxes[i]) for i, n in enumerate(pools)}
         client, pool_hosts = None, []
@@ -328,7 +324,7 @@ def main() -> None:
                 served.close()
             for pool in pools.values():
                 pool.close()
-            for closing in [*outboxes, *hosts, *stores.values()]:
+            for closing in [*outboxes, *stores.values()]:
                 closing.close()
     base_rate = statistics.median(r[0] for r in results["in process"])
     base_cpu = statistics.median(r[1] for r in results["in process"])

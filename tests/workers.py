@@ -255,6 +255,8 @@ def toy_processor(gate_dir: str = "") -> Any:
             os._exit(0)
         if job.get("die"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if job.get("when_lent"):  # "die" or "wait" once the pool lends the item's chunk
+            _when_lent(job["when_lent"], gate_dir)
         if job.get("fail"):
             raise ValueError(f"cannot decode image: {job['fail']}")
         if job.get("decline"):
@@ -268,6 +270,32 @@ def toy_processor(gate_dir: str = "") -> Any:
             return {"data": data, "pid": os.getpid(), "faults": churn()}
         return {"data": data ^ 0xFF, "pid": os.getpid()}
     return process
+
+
+def _when_lent(what: str, gate_dir: str) -> None:
+    """In a pool worker: once the dispatcher's answer lends a chunk (the next answer read),
+    die there ("die": SIGKILL, the chunk lent and half written) or write `<gate_dir>/lent`
+    and wait for `<gate_dir>/go` ("wait")."""
+    import os
+    import signal
+    import time
+
+    import msgpack
+
+    real = msgpack.unpackb
+
+    def unpackb(data: bytes, **kw: Any) -> Any:
+        answer = real(data, **kw)
+        if isinstance(answer, list) and answer[:1] == ["lent"]:
+            msgpack.unpackb = real
+            if what == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            with open(os.path.join(gate_dir, "lent"), "w"):
+                pass
+            while not os.path.exists(os.path.join(gate_dir, "go")):
+                time.sleep(0.01)
+        return answer
+    msgpack.unpackb = unpackb
 
 
 def broken_processor() -> Any:

@@ -12,6 +12,8 @@ items into these.
     _pool.py       MissPool: misses processed by worker processes straight into the store,
                    one processing per key in flight, every failure a fallback Outcome
     _crew.py       the pool's workers: their lives in the owner (Crew) and the worker process
+    _lending.py    PoolStore and Lending: the chunks a worker writes an item into, lent and
+                   published by the writer in the pool's process, through the worker's pipe
     _outcome.py    the pool's words: Outcome, check_job, Processor, PoolStats, the Pool protocol
     _pool_share.py PoolHost and PoolClient: one pool per node, served to its other API servers
     _photos.py     PhotoOutbox and read_photo: a miss's photo by shared memory, read in place

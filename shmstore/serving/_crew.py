@@ -2,11 +2,15 @@
 ones to stop, stop, replace) and the worker process itself (_worker_main).
 
     owner's dispatcher thread                    worker process (spawned by that thread)
-      job frames: [key, job]            ----->     builds its processor, then per job:
-      messages:   ["ready"]             <-----       stored already? (unless the dispatcher
-                                                     asked), process, store
+      job frames: [key, job]            ----->     builds its processor, maps the store's
+                                                   ring, then per job: process, encode,
+      messages:   ["ready"]             <-----       ask for a chunk, write the item into it
                   ["broken", why]                    (a job it cannot read: "failed")
-                  ["done", outcome, detail]
+                  ["begin", key, nbytes, crc]
+      answers:    ["lent", loan, offset] ----->
+                  ["refused", outcome, why]
+                  ["done", outcome, detail] <---   (the dispatcher publishes a stored chunk:
+                                                   serving/_lending.py)
 
 A worker dies with its owner whatever it is doing: it asks the kernel for SIGKILL when the
 thread that started it goes (PR_SET_PDEATHSIG; a thread that watches its parent where prctl
@@ -29,10 +33,11 @@ from typing import Any
 
 import msgpack
 
+from ._lending import Lending, PoolStore
 from ._log import log
 from ._outcome import STORED, Outcome, Processor
 
-__all__ = ["ALREADY", "BROKEN_STARTS", "DIRECT_FRAME_BYTES", "JOB_TIMEOUT_S", "START_TIMEOUT_S",
+__all__ = ["BROKEN_STARTS", "DIRECT_FRAME_BYTES", "JOB_TIMEOUT_S", "START_TIMEOUT_S",
            "STOP_TIMEOUT_S", "REAP_POLL_S", "WORKER_NAME", "Says", "Crew", "Worker"]
 
 MAX_DETAIL_CHARS = 512  # a worker's error message, cut here
@@ -45,7 +50,6 @@ DIRECT_FRAME_BYTES = 4096  # a job frame up to this size is written by the dispa
 REAP_POLL_S = 0.005  # a killed worker's exit is polled (waitpid), never waited on its pipe
 OWNER_CHECK_S = 0.5  # where prctl is missing, a worker looks for its owner this often
 WORKER_NAME = "shmstore-pool"  # a worker's process name (/proc/PID/comm, at most 15 bytes)
-ALREADY = "stored already"  # a STORED answer's detail when the worker did not run
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # glibc's malloc, in a worker: a photo's buffers (a 3 MP photo: 9 MB decoded, several copies)
 # come from the heap and stay there between jobs, instead of an mmap per buffer and a trim of
@@ -58,10 +62,12 @@ MALLOC_TRIM_THRESHOLD = 64 << 20
 
 
 class Says(str, Enum):
-    """The kinds of message a worker sends: once ready or broken, then one done per job."""
+    """The kinds of message a worker sends: once ready or broken, then per job a begin (the
+    item is made: a chunk for it) unless it ends before, and one done."""
 
     READY = "ready"
     BROKEN = "broken"
+    BEGIN = "begin"
     DONE = "done"
 
 
@@ -76,6 +82,8 @@ class Worker:
         "busy_since",
         "conn",
         "key",
+        "lending",
+        "loan",
         "outbox",
         "pid",
         "process",
@@ -83,8 +91,10 @@ class Worker:
         "started_at",
     )
 
-    def __init__(self, process: Any, conn: Connection) -> None:
+    def __init__(self, process: Any, conn: Connection, lending: Lending) -> None:
         self.process, self.pid, self.conn = process, process.pid, conn
+        self.lending = lending  # the chunks it writes into
+        self.loan: int | None = None  # the one it writes its job's item into now
         self.ready = False
         self.key: str | None = None
         self.started_at = self.busy_since = time.monotonic()
@@ -157,10 +167,8 @@ class Crew:
     lock guards `workers` and each worker's ready and key, and is never held while a worker
     is started or stopped."""
 
-    def __init__(self, store_name: str, processor: Processor, env: dict[str, str], *,
-                 ask: bool = True) -> None:
-        self.store_name, self.processor, self.env = store_name, processor, env
-        self.ask = ask  # whether a worker asks the store's host "stored?" before each job
+    def __init__(self, store: PoolStore, processor: Processor, env: dict[str, str]) -> None:
+        self.store, self.processor, self.env = store, processor, env
         self.ctx = multiprocessing.get_context("spawn")
         self.workers: list[Worker] = []
         self.failed_starts = 0
@@ -170,7 +178,8 @@ class Crew:
         ours, theirs = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=_worker_main,
-            args=(self.store_name, self.processor, theirs, self.env, os.getpid(), self.ask),
+            args=(self.store.name, self.store.epoch, self.processor, theirs, self.env,
+                  os.getpid()),
             name="shmstore-pool-worker", daemon=True)
         try:
             process.start()
@@ -179,7 +188,7 @@ class Crew:
             raise
         finally:
             theirs.close()
-        return Worker(process, ours)
+        return Worker(process, ours, self.store.lending())
 
     @staticmethod
     def read(w: Worker) -> Any:
@@ -232,6 +241,8 @@ class Crew:
                 time.sleep(REAP_POLL_S)
             with contextlib.suppress(ValueError):
                 w.process.close()
+            w.loan = None
+            w.lending.close()  # a chunk it was writing: given back
 
 
 # -- the worker process ---------------------------------------------------------------------------
@@ -264,21 +275,19 @@ def keep_freed_memory() -> bool:
                 and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
-def _worker_main(store_name: str, processor: Processor, conn: Connection,
-                 env: dict[str, str], owner: int, ask: bool) -> None:
-    """Build the processor, say ready, then answer each job until the pipe closes; with `ask`,
-    a job whose key the store has already is answered without running the processor (without
-    it, the dispatcher asked the store itself just before sending the job)."""
+def _worker_main(store_name: str, epoch: int, processor: Processor, conn: Connection,
+                 env: dict[str, str], owner: int) -> None:
+    """Build the processor and map the store's ring, say ready, then answer each job until the
+    pipe closes: process it, and write the item into a chunk the dispatcher lends."""
     _die_with_owner(owner)
     keep_freed_memory()
     os.environ.update(env)
     with contextlib.suppress(OSError):  # the name ps and /proc/PID/comm show
         with open("/proc/self/comm", "w") as comm:
             comm.write(WORKER_NAME)
-    from ..errors import KeyExists, ObjectTooLarge, ShmStoreError, StoreFull
-    from ..store._remote import RemoteWriter
+    from ..shm._ring import ShmRingBuffer
 
-    def say(kind: Says, *words: str) -> None:
+    def say(kind: Says, *words: Any) -> None:
         conn.send_bytes(msgpack.packb([kind.value, *words], use_bin_type=True))
 
     def done(outcome: Outcome, detail: str = "") -> None:
@@ -286,12 +295,15 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
 
     try:
         process = processor.build()
-        writer = RemoteWriter(store_name)
+        ring = ShmRingBuffer.attach(store_name, prefault=False)  # pages as they are written
+        if ring.segment.epoch != epoch:
+            ring.close()
+            raise RuntimeError(f"store {store_name!r} was made anew; this pool's is gone")
     except Exception as exc:
         say(Says.BROKEN, f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS])
         return
     say(Says.READY)
-    with writer:
+    with ring:
         while True:
             try:
                 frame = conn.recv_bytes()
@@ -302,13 +314,6 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
             except Exception as exc:  # checked where submitted; never a reason to die
                 done(Outcome.FAILED, f"unreadable job: {exc}")
                 continue
-            try:  # stored meanwhile (sent again just after it was stored): not run again
-                if ask and writer.cached([key])[0]:
-                    done(STORED, ALREADY)
-                    continue
-            except ShmStoreError as exc:
-                done(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
-                continue
             try:
                 value = process(job)
             except Exception as exc:
@@ -318,11 +323,36 @@ def _worker_main(store_name: str, processor: Processor, conn: Connection,
                 done(Outcome.DECLINED)
                 continue
             try:
-                writer.store(key, value)
-                done(STORED)
-            except KeyExists:
-                done(STORED, "stored by another meanwhile")
-            except (StoreFull, ObjectTooLarge) as exc:
-                done(Outcome.STORE_FULL, str(exc))
-            except ShmStoreError as exc:
-                done(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+                done(*_write(say, conn, ring.segment.buf, key, value))
+            except (EOFError, OSError):
+                return
+
+
+def _write(say: Any, conn: Connection, buf: memoryview, key: str, value: Any
+           ) -> tuple[Outcome, str]:
+    """Encode `value`, ask the dispatcher for a chunk and write it there: the job's outcome
+    (STORED: written, for the dispatcher to publish). EOFError, OSError: the pool is gone."""
+    from ..serde._codec import encode
+    from ..shm._segment import ALIGN_BYTES
+
+    try:
+        enc = encode(value)
+    except Exception as exc:
+        return Outcome.FAILED, f"{type(exc).__name__}: {exc}"
+    say(Says.BEGIN, key, enc.nbytes, enc.structure_crc)
+    answer = msgpack.unpackb(conn.recv_bytes(), raw=False)
+    try:
+        if answer[0] == "refused":
+            return Outcome(answer[1]), str(answer[2])
+        word, loan, offset = answer
+        if word != "lent" or type(offset) is not int:
+            raise ValueError(word)
+    except (ValueError, TypeError, IndexError, KeyError):
+        return Outcome.FAILED, f"an answer to begin that is not one: {answer!r:.80}"
+    if not ALIGN_BYTES <= offset <= len(buf) - enc.nbytes:
+        return Outcome.FAILED, f"chunk {loan} lent outside the store's {len(buf)} bytes"
+    try:
+        enc.write_into(buf[offset:offset + enc.nbytes])
+    except Exception as exc:  # a value that changed under it: the chunk is given back
+        return Outcome.FAILED, f"{type(exc).__name__}: {exc}"
+    return STORED, ""

@@ -29,6 +29,7 @@ from ..store._api import WriterAPI
 from ..store._host import WriterHost
 from ..store._object_store import ObjectStore, StoreWriter
 from ..store._remote import RemoteWriter
+from ._lending import Lending
 from ._log import log
 from ._outcome import Outcome, PoolStats, Processor
 from ._photos import PhotoOutbox
@@ -103,9 +104,8 @@ class Writers:
     def stored(self, key: str) -> bool:
         """Whether the local store has `key` now, asked under the lock (the miss pool's
         dispatcher asks before a job goes to a worker); False, at once, when another thread
-        holds the lock: the pool never waits on the writer's other callers, one of which may
-        hold it while it waits for the pool. Only an optimization: a key stored meanwhile is
-        processed, and the worker's store finds it there (KeyExists: STORED)."""
+        holds the lock: a hint is not worth a wait. A key stored meanwhile is processed, and
+        the chunk its worker asks for is refused (STORED: serving/_lending.py)."""
         if self.local is None:
             raise InvalidArgument("only the process that created the store can ask it "
                                   "directly; a remote writer asks its host (cached)",
@@ -116,6 +116,25 @@ class Writers:
             return self.local.is_cached(key)
         finally:
             self.lock.release()
+
+    @property
+    def name(self) -> str:
+        return self.store.name
+
+    @property
+    def epoch(self) -> int:
+        if self.local is None:
+            raise InvalidArgument("only the process that created the store fills it through a "
+                                  "miss pool", "local", None)
+        return self.local.epoch
+
+    def lending(self) -> Lending:
+        """A miss pool worker's chunks of the local store (serving/_lending.py), under the
+        writer's lock."""
+        if self.local is None:
+            raise InvalidArgument("only the process that created the store fills it through a "
+                                  "miss pool", "local", None)
+        return Lending(self.local, self.lock)
 
     @property
     def role(self) -> str:
@@ -130,12 +149,12 @@ class Writers:
 
 
 def open_writer(d: Shape, lock: threading.RLock,
-                make_head: Callable[[Callable[..., Any]], Any], *, host: bool = False) -> Writers:
+                make_head: Callable[[Callable[..., Any]], Any]) -> Writers:
     """The writer for this process's shape: a new store (local), API server 0's through its
     host (remote), or a relay head's channel store (relay, made by `make_head(make)`). `lock`
     is held around every call of the writer (the WriterHost takes it for its clients). A local
-    store is served to other processes with several API servers, or with `host` (a miss pool's
-    workers write it)."""
+    store is served to other processes with several API servers (a miss pool's workers write
+    it through the pool: open_pool)."""
 
     def make(create: Callable[..., Any]) -> Any:
         try:
@@ -157,7 +176,7 @@ def open_writer(d: Shape, lock: threading.RLock,
     store: StoreWriter = make(lambda **kw: ObjectStore.create(d.name, n_readers=d.n_readers,
                                                              prefault=False, **kw))
     writers = Writers(store, store, lock=lock)
-    if d.api_servers > 1 or host:
+    if d.api_servers > 1:
         try:
             writers.host = WriterHost(store, lock)
         except BaseException:
@@ -243,8 +262,7 @@ def open_pool(d: Shape, writers: Writers, processor: Processor, *,
     try:
         if writers.local is None:
             return NodePool(client=PoolClient(d.name), outbox=outbox)
-        pool = MissPool(d.name, processor, workers=d.pool_workers, env=env,
-                        stored=writers.stored)
+        pool = MissPool(writers, processor, workers=d.pool_workers, env=env)
     except BaseException:
         if outbox is not None:
             outbox.close()

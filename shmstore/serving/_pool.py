@@ -5,18 +5,19 @@ store, whatever the engine (an adapter says how one item is processed: a Process
       MissPool (the callers' side)                 builds its processor once: factory(*args)
         submit(key, job) -> Future[Outcome]        then, for each job:
           a key in flight is waited for,              value = process(job)
-          not processed twice (single flight)         RemoteWriter.store(key, value)
-          no worker ready, or more than                 (one copy, into a chunk the host
-          max_waiting queued: an outcome at once        lends; no reader owes it)
+          not processed twice (single flight)         written into a chunk the dispatcher
+          no worker ready, or more than               lends (one copy; published owed by
+          max_waiting queued: an outcome at once      no reader: serving/_lending.py)
         the dispatcher thread (one loop):
           jobs to idle workers             -----> [key, job]   (msgpack, a socket pair;
                                                   written by the dispatcher, one over 4 KiB
                                                   by the worker's sender thread)
             (a key stored meanwhile: STORED,
-            not sent; asked of the writer here
-            where it is given `stored`)
+            not sent; asked of the writer here)
           the workers' messages            <----- ["ready"] | ["broken", why]
-                                                  | ["done", outcome, detail]
+                                                  | ["begin", key, nbytes, crc]
+          a chunk lent (the writer's)      -----> ["lent", loan, offset] | ["refused", ...]
+          the chunk published              <----- ["done", outcome, detail]
         Crew (the workers' lives): start, ready, the job and start time limits, reap and
           replace (outside the lock submit takes), broken after BROKEN_STARTS failed starts
 
@@ -32,7 +33,10 @@ Workers die with their owner, whatever they are doing: the dispatcher thread sta
 and each asks the kernel for SIGKILL when that thread's process goes (PR_SET_PDEATHSIG; a
 thread that watches its parent where prctl is missing).
 
-Threads: submit and stats from any thread; the dispatcher thread owns the pipes and the crew.
+Threads: submit and stats from any thread; the dispatcher thread owns the pipes and the crew,
+and takes the writer's lock (never while it holds the pool's) to lend and publish a chunk: the
+store's bookkeeping, no copy, and no caller of the writer waits for the pool while it holds
+that lock (an API server waits for its items outside it).
 """
 
 from __future__ import annotations
@@ -43,14 +47,14 @@ import selectors
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import msgpack
 
 from ..errors import InvalidArgument, ShmStoreError
-from ._crew import ALREADY, BROKEN_STARTS, REAP_POLL_S, STOP_TIMEOUT_S, Crew, Says, Worker
+from ._crew import BROKEN_STARTS, REAP_POLL_S, STOP_TIMEOUT_S, Crew, Says, Worker
+from ._lending import PoolStore
 from ._log import log
 from ._outcome import FALLBACKS, STORED, Outcome, PoolStats, Processor, check_job
 
@@ -59,6 +63,7 @@ __all__ = ["MissPool", "default_workers"]
 MIN_DEFAULT_WORKERS = 2  # a default pool smaller than this is none
 MAX_DEFAULT_WORKERS = 8  # each worker holds the model's processor (about 0.5 GB here)
 SWEEP_S = 1.0  # the dispatcher looks at every worker (time limits, alive) this often
+ALREADY = "stored already"  # a STORED answer's detail when no worker ran
 
 
 def default_workers(*, taken: int, cores: int | None = None) -> int:
@@ -74,26 +79,22 @@ def default_workers(*, taken: int, cores: int | None = None) -> int:
 
 
 class MissPool:
-    """`workers` processes that store what `processor` makes of each job in store `store_name`
-    (through its WriterHost, which the caller runs). Owner: the process that made it; submit
-    from any thread of it. close() stops every worker; idempotent."""
+    """`workers` processes that store what `processor` makes of each job in `store` (its
+    writer in this process: serving/_lending.py PoolStore). Owner: the process that made it;
+    submit from any thread of it. close() stops every worker; idempotent."""
 
     _closed = True
     _thread: threading.Thread | None = None
 
-    def __init__(self, store_name: str, processor: Processor, *, workers: int,
-                 max_waiting: int | None = None, env: dict[str, str] | None = None,
-                 stored: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, store: PoolStore, processor: Processor, *, workers: int,
+                 max_waiting: int | None = None, env: dict[str, str] | None = None) -> None:
         if workers < 1:
             raise InvalidArgument(f"a miss pool needs at least 1 worker, not {workers}",
                                   "workers", workers)
-        self.store_name, self.processor, self.size = store_name, processor, workers
+        self.store, self.processor, self.size = store, processor, workers
+        self.store_name = store_name = store.name
         self.max_waiting = 2 * workers if max_waiting is None else max_waiting
-        # the store's own answer to "is this key stored?" in this process (the writer's, under
-        # its lock), asked just before a job goes to a worker; without it each worker asks the
-        # store's host (a round trip and a wake-up of the host's thread per job)
-        self._stored = stored
-        self._crew = Crew(store_name, processor, dict(env or {}), ask=stored is None)
+        self._crew = Crew(store, processor, dict(env or {}))
         self._lock = threading.Lock()
         self._flight: dict[str, Future[Outcome]] = {}
         self._ended: list[tuple[Future[Outcome], Outcome]] = []  # set by _flush, out of the lock
@@ -201,6 +202,7 @@ class MissPool:
                 look: set[Worker] | None = spoke
                 if now - swept >= SWEEP_S:
                     swept, look = now, None
+                said = [(w, m) for w, m in said if not self._lend(w, m)]
                 with self._lock:
                     for w, message in said:
                         self._heard(w, message)
@@ -294,12 +296,41 @@ class MissPool:
         return picked
 
     def _stored_now(self, key: str) -> bool:
-        if self._stored is None:
-            return False
+        """The writer's answer, asked just before a job goes to a worker: "no" where it cannot
+        be had at once (PoolStore.stored), or the store is closing (the worker's begin finds
+        out)."""
         try:
-            return self._stored(key)
-        except ShmStoreError:  # the store is closing: the worker finds out, as without it
+            return self.store.stored(key)
+        except ShmStoreError:
             return False
+
+    def _lend(self, w: Worker, message: Any) -> bool:
+        """A worker's message about its chunk, handled here, outside the pool's lock (the
+        writer's is taken, for the store's bookkeeping only: serving/_lending.py): a begin is
+        answered (True: nothing more to do). Any other message ends the chunk lent to `w`: a
+        done that says stored has it published, anything else gives it back; a done then
+        carries the job's final outcome (False: _heard settles it)."""
+        kind = message[0] if isinstance(message, list) and message else None
+        if kind == Says.BEGIN:
+            answer: list[Any] = ["refused", Outcome.FAILED.value, "a begin out of turn"]
+            if len(message) == 4 and w.key is not None and w.loan is None:
+                answer = w.lending.begin(*message[1:])
+            if answer[0] == "lent":
+                w.loan = answer[1]
+            w.send(msgpack.packb(answer, use_bin_type=True))
+            return True
+        if w.loan is None:
+            return False
+        loan, w.loan = w.loan, None
+        done = kind == Says.DONE and len(message) == 3
+        try:
+            said = Outcome(message[1]) if done else Outcome.FAILED
+        except ValueError:
+            said = Outcome.FAILED
+        final, detail = w.lending.end(loan, said, str(message[2]) if done else "")
+        if done:
+            message[1:] = [final.value, detail]
+        return False
 
     def _heard(self, w: Worker, message: Any) -> None:
         """One message of `w`'s; under the lock."""

@@ -205,9 +205,7 @@ class WriterHost(Closeable):
     def _commit_unowed(self, args: list[Any], loans: Lender) -> list[Any]:
         """Commit and give the hand-out back in one step (under the host's lock): the object is
         cached and no reader owes it, even if the client dies right after."""
-        handout = loans.commit(self._lent("commit_unowed", args[0], loans))[1]
-        self._writer.give_back(handout.handle, handout.number)
-        return handle_to_wire(handout.handle)
+        return handle_to_wire(loans.commit_unowed(self._lent("commit_unowed", args[0], loans)))
 
     def _abandon(self, args: list[Any], loans: Lender) -> None:
         loans.abandon(self._lent("abandon", args[0], loans))

@@ -3,7 +3,7 @@ straight into shared memory, then the host publishes it."""
 
 from __future__ import annotations
 
-from ..handle import HandOut, check_key
+from ..handle import Handle, HandOut, check_key
 from ..shm._segment import ALIGN_BYTES
 from ._index import Entry
 from ._writer import StoreWriter
@@ -60,6 +60,13 @@ class Lender:
             raise
         self._loans.pop(loan, None)  # committed: no longer reserved (close() may still see it)
         return entry.key, handout
+
+    def commit_unowed(self, loan: int) -> Handle:
+        """commit, and its hand-out given back in the same step: the object is cached and no
+        reader owes it, whatever becomes of the process that wrote it. Raises as commit."""
+        handout = self.commit(loan)[1]
+        self._writer.give_back(handout.handle, handout.number)
+        return handout.handle
 
     def abandon(self, loan: int) -> None:
         """Give the room of `loan` back (KeyError: no such loan): an orphan chunk now, freed

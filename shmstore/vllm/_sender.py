@@ -62,7 +62,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         super().__init__()
         self.deployment = d = Deployment.read(vllm_config)
         self._lock = threading.RLock()  # around every call of the writer, the host's too
-        self._writers = open_writer(d, self._lock, lambda make: _head(make, d), host=d.pooled)
+        self._writers = open_writer(d, self._lock, lambda make: _head(make, d))
         self.store: WriterAPI = self._writers.store
         self._core = Sender(self.store, self._lock, settle_s=d.settle_s, lease_s=d.lease_s,
                             head=self._writers.head)

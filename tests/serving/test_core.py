@@ -230,7 +230,7 @@ def test_open_pool_decides_every_role(name: str) -> None:
     one = shape(name, pool_workers=1)
     relay = shape(name, pool_workers=1, nodes=2)
     assert open_pool(relay, None, processor) is None  # type: ignore[arg-type]
-    writers = open_writer(shape(name, api_servers=2, pool_workers=1), lock, no_head, host=True)
+    writers = open_writer(shape(name, api_servers=2, pool_workers=1), lock, no_head)
     owner: NodePool | None = None
     client: NodePool | None = None
     try:
@@ -247,4 +247,66 @@ def test_open_pool_decides_every_role(name: str) -> None:
         for each in (client, owner):
             if each is not None:
                 each.close()
+        writers.close()
+
+
+def test_a_pool_workers_chunk_is_lent_published_owed_by_no_one_or_given_back(name: str) -> None:
+    """serving/_lending.py, as the pool's dispatcher calls it for a worker: a begin is lent a
+    chunk or refused with the outcome the job ends with; a chunk whose job did not end
+    stored, or whose worker went (close), goes back to the ring and is never published."""
+    from shmstore.serde._codec import encode
+    from shmstore.serving._lending import ANOTHER
+    from shmstore.serving._outcome import Outcome
+
+    writers = open_writer(shape(name, capacity_bytes=64 * KIB, max_object_bytes=16 * KIB),
+                          threading.RLock(), no_head)
+    store = writers.local
+    assert store is not None and writers.name == name and writers.epoch == store.epoch
+    try:
+        lending = writers.lending()
+        enc = encode(value(1))
+        word, loan, offset = lending.begin("a", enc.nbytes, enc.structure_crc)
+        assert word == "lent"
+        enc.write_into(store._ring.segment.buf[offset:offset + enc.nbytes])
+        assert lending.end(loan, STORED, "") == (STORED, "")
+        handout = store.hand_out_cached(["a"])[0]
+        assert handout is not None and store.unread(handout.handle) == (1, 1)  # ours only
+        assert lending.begin("a", enc.nbytes, enc.structure_crc) == ["refused", "stored",
+                                                                      ANOTHER]
+        assert lending.begin("big", 32 * KIB, 0)[:2] == ["refused", "store_full"]
+        for bad in ((b"k", 8, 0), ("k", -1, 0), ("k", 8, 1 << 32), ("k", 8.0, 0)):
+            assert lending.begin(*bad) == ["refused", "failed", "a malformed begin"]
+        _, failed, _ = lending.begin("f", enc.nbytes, enc.structure_crc)
+        assert lending.end(failed, Outcome.FAILED, "why") == (Outcome.FAILED, "why")
+        _, raced, _ = lending.begin("r", enc.nbytes, enc.structure_crc)
+        store.put("r", value(2))  # another writer of the node, meanwhile
+        assert lending.end(raced, STORED, "") == (STORED, ANOTHER)
+        for _ in range(8):  # chunks of a worker that went: given back, the ring goes on
+            lending.begin("gone", enc.nbytes, enc.structure_crc)
+            lending.close()
+        assert store.cached(["f", "gone"]) == [False, False]
+        assert store.stats().objects == 2
+        store.put("after", value(3))
+    finally:
+        writers.close()
+
+
+def test_one_api_server_with_a_pool_serves_its_store_to_no_one(name: str) -> None:
+    """The pool's workers write through their own pipes (serving/_lending.py): one API server
+    with a pool starts no store host (no socket, no thread per worker), and its pool stores."""
+    one = shape(name, pool_workers=1)
+    writers = open_writer(one, threading.RLock(), no_head)
+    node: NodePool | None = None
+    try:
+        assert writers.host is None
+        node = open_pool(one, writers, Processor(TOY))
+        assert node is not None and node.pool is not None and node.host is None
+        wait_for(lambda: node.stats().ready == 1, READY_S, "the pool's worker")  # type: ignore[union-attr]
+        assert node.submit("k", {"bytes": b"k"}).result(READY_S) == STORED
+        assert writers.local is not None and writers.local.cached(["k"]) == [True]
+        assert not [t for t in threading.enumerate()
+                    if t.name.startswith("shmstore-serve") and name in t.name]
+    finally:
+        if node is not None:
+            node.close()
         writers.close()

@@ -20,7 +20,7 @@ from shmstore.serving._pool import MissPool
 from shmstore.shm._ring import ShmRingBuffer
 from tests._names import ObjectStore
 from tests._waiting import wait_for
-from tests.serving.test_pool import READY_S, TOY, hosted
+from tests.serving.test_pool import READY_S, STORES, TOY, hosted
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 KIB = 1024
@@ -103,7 +103,7 @@ def test_the_pool_reads_a_photo_in_place_and_frees_it_when_the_outcome_comes(
         name: str) -> None:
     payload = bytes(range(256)) * 40
     with hosted(name) as writer:
-        pool = MissPool(name, Processor(TOY), workers=1)
+        pool = MissPool(STORES[name], Processor(TOY), workers=1)
         node = NodePool(pool=pool, outbox=PhotoOutbox(name))
         try:
             wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker")
@@ -121,7 +121,7 @@ def test_the_pool_reads_a_photo_in_place_and_frees_it_when_the_outcome_comes(
 
 def test_many_photos_at_once_from_threads_each_read_as_sent(name: str) -> None:
     with hosted(name, capacity_bytes=4096 * KIB) as writer:
-        pool = MissPool(name, Processor(TOY), workers=2, max_waiting=64)
+        pool = MissPool(STORES[name], Processor(TOY), workers=2, max_waiting=64)
         node = NodePool(pool=pool, outbox=PhotoOutbox(name, capacity_bytes=256 * KIB))
         try:
             wait_for(lambda: pool.stats().ready == 2, READY_S, "the workers")
@@ -155,7 +155,7 @@ def test_another_api_servers_photo_crosses_by_its_own_outbox(name: str) -> None:
 
     photo = b"p" * (share.MAX_ANSWER_BYTES * 40)
     with hosted(name) as writer:
-        pool = MissPool(name, Processor(TOY), workers=1)
+        pool = MissPool(STORES[name], Processor(TOY), workers=1)
         host = PoolHost(pool, name, writer.epoch)
         client = NodePool(client=PoolClient(name), outbox=PhotoOutbox(name))
         sent: list[Any] = []

@@ -19,9 +19,9 @@ import pytest
 
 from shmstore._proc import pid_alive
 from shmstore.errors import InvalidArgument
+from shmstore.serving._deployment import Writers
 from shmstore.serving._outcome import FALLBACKS, STORED, Processor
 from shmstore.serving._pool import MissPool, default_workers
-from shmstore.store._host import WriterHost
 from tests._names import ObjectStore
 from tests._waiting import wait_for
 
@@ -31,22 +31,29 @@ TOY = "tests.workers:toy_processor"
 READY_S = 60.0  # a spawned worker imports numpy and the store: seconds on a loaded machine
 
 
+STORES: dict[str, Writers] = {}  # a hosted store's writer and lock, as open_writer makes them
+
+
 @contextmanager
 def hosted(name: str, *, capacity_bytes: int = 1024 * KIB, max_object_bytes: int | None = None
            ) -> Iterator[Any]:
+    """A store of its own (its writer and lock, as API server 0 holds them, with no store host:
+    a pool's workers write through their own pipes), for the pools of this block to fill
+    (STORES[name])."""
     writer = ObjectStore.create(name, capacity_bytes=capacity_bytes, n_readers=1,
                                 max_object_bytes=max_object_bytes or capacity_bytes // 2)
-    host = WriterHost(writer, threading.RLock())
+    STORES[name] = Writers(writer, writer, lock=threading.RLock())
     try:
         yield writer
     finally:
-        host.close()
+        del STORES[name]
         writer.close()
 
 
 @contextmanager
-def pool_of(name: str, workers: int, gate: str = "", **kw: Any) -> Iterator[MissPool]:
-    pool = MissPool(name, Processor(TOY, (gate,)), workers=workers, **kw)
+def pool_of(name: str, workers: int, gate: str = "", store: Any = None, **kw: Any
+            ) -> Iterator[MissPool]:
+    pool = MissPool(store or STORES[name], Processor(TOY, (gate,)), workers=workers, **kw)
     try:
         wait_for(lambda: pool.stats().ready == workers, READY_S, "the pool's workers")
         yield pool
@@ -73,7 +80,7 @@ def test_a_miss_is_stored_by_a_worker_owed_by_no_reader_and_read_as_a_hit(name: 
             value = reader.get(handout.handle)
         np.testing.assert_array_equal(value["data"], np.frombuffer(payload, np.uint8) ^ 0xFF)
         assert value["pid"] in pool.worker_pids()
-        # the worker's own hand-out was given back by the host: only ours was owed
+        # the worker's own hand-out was given back as it was published: only ours was owed
         assert writer.unread(handout.handle) == (0,)
         stats = pool.stats()
         assert (stats.submitted, stats.stored, stats.waited) == (1, 1, 0)
@@ -145,6 +152,48 @@ def test_a_worker_killed_mid_item_fails_that_item_only_and_is_started_again(
         assert writer.stats().objects == 1
 
 
+def test_a_worker_killed_with_a_chunk_lent_has_it_given_back_and_nothing_published(
+        name: str, tmp_path: Any) -> None:
+    """A worker that dies after the dispatcher lent it a chunk (half written): the item falls
+    back ("died"), nothing is published under its key, and the chunk goes back to the ring
+    (three times over a store that holds two such items: the ring frees them)."""
+    with hosted(name, capacity_bytes=192 * KIB, max_object_bytes=96 * KIB) as writer, \
+            pool_of(name, 1, str(tmp_path)) as pool:
+        for n in range(3):
+            wait_for(lambda: pool.stats().ready == 1, READY_S, "a worker")
+            assert outcome(pool, "half", {"bytes": b"h" * (80 * KIB), "when_lent": "die",
+                                          "n": n}) == "died"
+            assert writer.cached(["half"]) == [False]
+        wait_for(lambda: pool.stats().ready == 1, READY_S, "a worker")
+        assert outcome(pool, "half", {"bytes": b"h" * (80 * KIB)}) == STORED
+        handout = writer.hand_out_cached(["half"])[0]
+        assert handout is not None
+        with ObjectStore.attach(name, reader=0) as reader:
+            value = reader.get(handout.handle)
+        assert bytes(value["data"][:4]) == bytes([ord("h") ^ 0xFF]) * 4
+        assert pool.stats().fallback["died"] == 3
+
+
+def test_a_key_put_while_its_chunk_is_written_ends_stored_with_the_first_copy(
+        name: str, tmp_path: Any) -> None:
+    """Another writer of the node puts the key between the chunk's lending and its
+    publishing: the pool's copy is given back and the job ends STORED; the store keeps the
+    first copy, owed by no one."""
+    gate = str(tmp_path)
+    with hosted(name) as writer, pool_of(name, 1, gate) as pool:
+        racing = pool.submit("race", {"bytes": b"r" * 64, "when_lent": "wait"})
+        wait_for(lambda: os.path.exists(os.path.join(gate, "lent")), READY_S, "the chunk lent")
+        writer.put("race", {"data": np.zeros(8, np.uint8)})
+        open(os.path.join(gate, "go"), "w").close()
+        assert racing.result(timeout=READY_S) == STORED
+        assert writer.stats().objects == 1
+        handout = writer.hand_out_cached(["race"])[0]
+        assert handout is not None
+        with ObjectStore.attach(name, reader=0) as reader:
+            assert "pid" not in reader.get(handout.handle)  # the put's, not the worker's
+        assert outcome(pool, "next", {"bytes": b"n"}) == STORED  # the worker goes on
+
+
 def test_a_processor_error_a_declined_job_and_an_item_over_the_store_are_fallbacks(
         name: str) -> None:
     with hosted(name, capacity_bytes=256 * KIB, max_object_bytes=32 * KIB) as writer, \
@@ -162,7 +211,7 @@ def test_a_processor_error_a_declined_job_and_an_item_over_the_store_are_fallbac
 def test_a_full_pool_and_a_starting_pool_answer_at_once(name: str, tmp_path: Any) -> None:
     gate = str(tmp_path)
     with hosted(name):
-        pool = MissPool(name, Processor(TOY, (gate,)), workers=1, max_waiting=1)
+        pool = MissPool(STORES[name], Processor(TOY, (gate,)), workers=1, max_waiting=1)
         try:  # a spawned worker takes far longer to say ready than this call
             assert pool.submit("early", {"bytes": b"e"}).result(timeout=0) == "starting"
             wait_for(lambda: pool.stats().ready == 1, READY_S, "the worker")
@@ -180,7 +229,7 @@ def test_a_full_pool_and_a_starting_pool_answer_at_once(name: str, tmp_path: Any
 
 def test_a_processor_that_cannot_be_built_makes_every_miss_fall_back(name: str) -> None:
     with hosted(name):
-        with MissPool(name, Processor("tests.workers:broken_processor"), workers=2) as pool:
+        with MissPool(STORES[name], Processor("tests.workers:broken_processor"), workers=2) as pool:
             wait_for(lambda: pool.broken != "", READY_S, "the pool to give up")
             assert "no such model: tiny-missing" in pool.broken
             assert pool.submit("k", {"bytes": b"k"}).result(timeout=0) == "unavailable"
@@ -191,7 +240,7 @@ def test_a_processor_that_cannot_be_built_makes_every_miss_fall_back(name: str) 
 def test_close_ends_running_jobs_and_leaves_no_process(name: str, tmp_path: Any) -> None:
     gate = str(tmp_path)
     with hosted(name):
-        pool = MissPool(name, Processor(TOY, (gate,)), workers=2)
+        pool = MissPool(STORES[name], Processor(TOY, (gate,)), workers=2)
         wait_for(lambda: pool.stats().ready == 2, READY_S, "the workers")
         pids = pool.worker_pids()
         running = pool.submit("held", {"bytes": b"h", "hold": True})
@@ -207,15 +256,15 @@ def test_a_job_that_is_not_msgpack_data_is_refused_with_what_to_do(name: str) ->
         with pytest.raises(InvalidArgument, match="msgpack data"):
             pool.submit("k", {"bytes": object()})
         assert outcome(pool, "k", {"bytes": b"ok"}) == STORED  # not left in flight
-    with pytest.raises(InvalidArgument, match="at least 1 worker"):
-        MissPool(name, Processor(TOY), workers=0)
+        with pytest.raises(InvalidArgument, match="at least 1 worker"):
+            MissPool(STORES[name], Processor(TOY), workers=0)
 
 
 def _owner(name: str, gate: str, pids: Any) -> None:
     """A pool's owner that runs until killed; with a `gate`, its worker is inside a job that
     never ends then (a stuck processor)."""
     with hosted(name):
-        pool = MissPool(name, Processor(TOY, (gate,)), workers=2)
+        pool = MissPool(STORES[name], Processor(TOY, (gate,)), workers=2)
         wait_for(lambda: pool.stats().ready == 2, READY_S, "the workers")
         if gate:
             pool.submit("held", {"bytes": b"h", "hold": True})
@@ -257,25 +306,46 @@ def test_the_default_size_is_the_cores_the_server_leaves_free() -> None:
     assert "died" in FALLBACKS and STORED not in FALLBACKS
 
 
+class Answering(Writers):
+    """A store whose "stored?" answer is the test's (`answer`), the rest the real one's."""
+
+    answer: Any = None
+
+    def stored(self, key: str) -> bool:
+        return bool(self.answer(key))
+
+
+def answering(name: str, answer: Any) -> Answering:
+    real = STORES[name]
+    store = Answering(real.store, real.local, lock=real.lock)
+    store.answer = answer
+    return store
+
+
 def test_a_key_stored_meanwhile_is_not_processed_again(name: str, tmp_path: Any) -> None:
-    """Sent just after another process stored it (the check and the submit are not one step):
-    the worker finds it stored and answers STORED without running the processor."""
+    """Sent though another process stored it (the owner's "stored?" could not be had at once:
+    its lock was held): the worker processes it, and the chunk it asks for is refused with
+    STORED, the store keeping its first copy."""
     gate = str(tmp_path)
-    with hosted(name) as writer, pool_of(name, 1, gate) as pool:
+    with hosted(name) as writer, pool_of(name, 1, gate,
+                                        store=answering(name, lambda key: False)) as pool:
         writer.put("pre", {"data": np.zeros(8, np.uint8)})
-        assert outcome(pool, "pre", {"bytes": b"p"}) == STORED
-        assert outcome(pool, "new", {"bytes": b"n"}) == STORED
+        assert outcome(pool, "pre", {"bytes": b"p", "n": 1}) == STORED
+        assert outcome(pool, "new", {"bytes": b"n", "n": 2}) == STORED
         stats = pool.stats()
-        assert (stats.submitted, stats.processed, stats.stored) == (2, 1, 2)
-        assert len(started(gate)) == 1  # only "new" ran the processor
+        assert (stats.submitted, stats.processed, stats.stored) == (2, 2, 2)
+        assert writer.stats().objects == 2
+        handout = writer.hand_out_cached(["pre"])[0]
+        assert handout is not None
+        with ObjectStore.attach(name, reader=0) as reader:
+            assert "pid" not in reader.get(handout.handle)  # the first copy, not the worker's
 
 
-def test_where_the_owner_answers_stored_the_workers_do_not_ask_and_its_answer_is_kept(
+def test_the_owners_stored_answer_is_asked_before_a_job_goes_to_a_worker_and_kept(
         name: str, tmp_path: Any) -> None:
-    """A pool given the owner's own answer (`stored`, as open_pool gives the writer's) asks it
-    just before a job goes to a worker, and its workers ask the host nothing. Shown with an
-    answer that lies both ways: a key it calls stored ends STORED with no worker run, and a
-    key it calls new though stored is processed (no worker asked) and ends STORED when the
+    """The pool asks the writer in its own process "stored?" just before a job goes to a
+    worker. Shown with an answer that lies both ways: a key it calls stored ends STORED with
+    no worker run, and a key it calls new though stored is processed and ends STORED when the
     store refuses the second copy; an answer that fails is taken as "new"."""
     from shmstore.errors import SegmentClosed
 
@@ -288,7 +358,7 @@ def test_where_the_owner_answers_stored_the_workers_do_not_ask_and_its_answer_is
             raise SegmentClosed("the store is closing")
         return key == "lie"
 
-    with hosted(name) as writer, pool_of(name, 1, gate, stored=stored) as pool:
+    with hosted(name) as writer, pool_of(name, 1, gate, store=answering(name, stored)) as pool:
         writer.put("pre", {"data": np.zeros(8, np.uint8)})
         assert outcome(pool, "lie", {"bytes": b"l", "n": 1}) == STORED
         assert outcome(pool, "pre", {"bytes": b"p", "n": 2}) == STORED
@@ -361,9 +431,9 @@ def test_a_pool_made_on_a_thread_that_ends_keeps_its_workers(name: str) -> None:
     """Workers die with the thread that started them: the dispatcher starts them all, so a
     pool built on a short-lived thread (an executor's) keeps working after it ends."""
     made: list[MissPool] = []
-    maker = threading.Thread(target=lambda: made.append(MissPool(name, Processor(TOY),
-                                                                 workers=1)))
     with hosted(name):
+        maker = threading.Thread(target=lambda: made.append(MissPool(STORES[name], Processor(TOY),
+                                                                     workers=1)))
         maker.start()
         maker.join()
         with made[0] as pool:
@@ -450,7 +520,7 @@ def test_a_workers_pipe_is_closed_only_once_its_sender_stopped_writing() -> None
     from shmstore.serving._crew import Worker
 
     ours, theirs = multiprocessing.Pipe(duplex=True)
-    worker = Worker(types.SimpleNamespace(pid=0), ours)
+    worker = Worker(types.SimpleNamespace(pid=0), ours, None)
     try:
         worker.outbox.put(b"x" * (4 * 1024 * KIB))  # more than the pipe holds: the send blocks
         wait_for(lambda: theirs.poll(), READY_S, "the send to start")
@@ -472,7 +542,7 @@ def test_what_a_worker_said_before_it_ended_is_read_whole_and_never_waited_for()
     from shmstore.serving._crew import Crew, Worker
 
     ours, theirs = multiprocessing.Pipe(duplex=True)
-    worker = Worker(types.SimpleNamespace(pid=0), ours)
+    worker = Worker(types.SimpleNamespace(pid=0), ours, None)
     try:
         theirs.send_bytes(msgpack.packb(["ready"]))
         theirs.send_bytes(msgpack.packb(["done", "stored", ""]))

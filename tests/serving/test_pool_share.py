@@ -20,13 +20,13 @@ from shmstore.serving._outcome import STORED, Processor
 from shmstore.serving._pool import MissPool
 from shmstore.serving._pool_share import PoolClient, PoolHost, pool_address
 from tests._waiting import wait_for
-from tests.serving.test_pool import READY_S, TOY, hosted, started
+from tests.serving.test_pool import READY_S, STORES, TOY, hosted, started
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def serve(name: str, writer: Any, gate: str = "", workers: int = 1) -> tuple[MissPool, PoolHost]:
-    pool = MissPool(name, Processor(TOY, (gate,)), workers=workers)
+    pool = MissPool(STORES[name], Processor(TOY, (gate,)), workers=workers)
     wait_for(lambda: pool.stats().ready == workers, READY_S, "the pool's workers")
     return pool, PoolHost(pool, name, writer.epoch)
 

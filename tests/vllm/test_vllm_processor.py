@@ -169,7 +169,7 @@ def test_the_miss_pool_processes_a_new_image_into_a_hit_that_equals_vllm_alone(
 
     (first, second), _ = node
     renderer = types.SimpleNamespace(get_mm_processor=lambda: processor)
-    missed = MissPool(first.deployment.name, pool_processor(model_config), workers=1)
+    missed = MissPool(first._writers, pool_processor(model_config), workers=1)
     pool = PoolSender(NodePool(pool=missed, outbox=PhotoOutbox(first.deployment.name)))
     first.pool = second.pool = pool  # as each API server's sender holds its way in
     try:
