@@ -85,6 +85,38 @@ def measured(n: int, pool: Any, once: Any) -> tuple[float, float]:
     return rate, cpu
 
 
+def timed_processor(config: Any, folder: str) -> Any:
+    """A pool worker's processor (vllm/_accel/_pool.py make_processor) whose own CPU per item
+    (the worker thread's clock, inside process) is written to FOLDER/<pid>, one line a job."""
+    from shmstore.vllm._accel._pool import make_processor
+
+    inner, path = make_processor(config), os.path.join(folder, str(os.getpid()))
+
+    def process(job: dict[str, Any]) -> Any:
+        before = time.thread_time()
+        value = inner(job)
+        with open(path, "a") as out:
+            out.write(f"{time.thread_time() - before}\n")
+        return value
+    return process
+
+
+def processor_lines(folder: str, pools: dict[int, Any]) -> list[str]:
+    """The processor's own CPU per item inside each pool's workers (timed_processor), median
+    over every job they ran, warm-ups included; none without --processor-cpu."""
+    lines = []
+    for n, pool in pools.items():
+        times = []
+        for pid in pool.worker_pids():
+            with contextlib.suppress(OSError), open(os.path.join(folder, str(pid))) as f:
+                times += [float(line) for line in f]
+        if times:
+            lines.append(f"  pool of {n}: the processor itself, inside its workers, "
+                         f"{1e3 * statistics.median(times):.2f} ms a miss (median of "
+                         f"{len(times)} jobs)")
+    return lines
+
+
 def print_breakdown(n_jobs: int, base_cpu: float) -> None:
     """CPU ms per pooled miss: the workers (against the in-process path) and each role of
     this process's threads, every pooled round together."""
@@ -220,6 +252,9 @@ def main() -> None:
                         help="this process's malloc: as the pool's workers set it (freed "
                         "buffers kept for the next photo: the pool's own cost compared) or "
                         "glibc's default (vLLM's thread as it runs, its page faults included)")
+    parser.add_argument("--processor-cpu", action="store_true",
+                        help="also time the processor itself inside the workers (its own CPU "
+                        "a miss, against the workers' whole)")
     parser.add_argument("--client", action="store_true",
                         help="send the photos from a second process through the pool's client "
                         "(the node's other API servers' way), not from the pool's own")
@@ -258,8 +293,11 @@ def main() -> None:
                   for n, name in names.items()}
         locks = {n: threading.RLock() for n in names}  # the writer's, as open_writer's
         writers = {n: Writers(stores[n], stores[n], lock=locks[n]) for n in names}
-        pools = {n: MissPool(writers[n], Processor("shmstore.vllm._accel._pool:make_processor",
-                                                   (config,)), workers=n,
+        timed = tempfile.mkdtemp(dir=tmp)
+        made = (Processor("bench.bench_pool:timed_processor", (config, timed))
+                if args.processor_cpu else
+                Processor("shmstore.vllm._accel._pool:make_processor", (config,)))
+        pools = {n: MissPool(writers[n], made, workers=n,
                              max_waiting=args.photos, env={"OMP_NUM_THREADS": "1"})
                  for n in (1, 2)}  # as open_pool makes it
         outboxes = [PhotoOutbox(name) for name in names.values()]
@@ -310,6 +348,7 @@ def main() -> None:
                     for how in ("shm", "msg"):
                         results[f"pool of {n}, {how}"].append(
                             measured(n, pools[n], lambda n=n, how=how: run(n, how)))
+            processor_cpu = processor_lines(timed, pools)
         finally:
             for proc, conn_alone in alone:
                 with contextlib.suppress(OSError):
@@ -343,6 +382,8 @@ def main() -> None:
               f"{rate / base_rate:8.2f}x      {cpu:6.1f} [{min(cpus):5.1f}-{max(cpus):5.1f}] "
               f"{cpu / (1e3 * base_cpu):8.2f}x")
     print_breakdown(len(jobs), base_cpu)
+    for line in processor_cpu:
+        print(line)
     ceiling = statistics.median(r[0] for r in results["2 processes at once"])
     print(f"the machine's own: 2 processes at once / in process: {ceiling / base_rate:.2f}x "
           f"misses/s on {os.cpu_count()} cores")

@@ -122,8 +122,12 @@ def test_bench_byvalue_runs(tmp_path: Path) -> None:
 @pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
 def test_bench_pool_runs_from_a_second_process_through_the_client() -> None:
     out = run_printing_script("bench_pool.py", "--photos", "2", "--rounds", "1",
-                              "--megapixels", "0.3", "--client", timeout=280)
+                              "--megapixels", "0.3", "--client", "--processor-cpu",
+                              timeout=280)
     assert "from a second process, through the client" in out, out
+    for n in (1, 2):
+        assert re.search(rf"pool of {n}: the processor itself, inside its workers, [\d.]+ ms",
+                         out), out
     for label in ("in process", "2 processes at once", "pool of 1, shm", "pool of 1, msg",
                   "pool of 2, shm", "pool of 2, msg"):
         assert re.search(rf"^{label} +[\d.]+ \[", out, re.M), out
