@@ -6,6 +6,7 @@ vLLM's own caches against shmstore's.
                                                   [--photo-mp 3] [--source data|url]
                                                   [--cache-gb 1] [--threads] [--timeline]
                                                   [--stalls DIR]
+                                                  [--dump-after SECONDS DIR]
                                                   [--json PATH] [--plot PNG]
     python bench/bench_serve.py --from-json PATH [--plot PNG]   (a saved run, again)
 
@@ -118,6 +119,7 @@ POOL = 64  # images the zipf mix draws from
 MODEL = ["llava"]  # --model
 THREADS = False  # --threads
 TIMELINE = False  # --timeline
+DUMPS: list[Any] = []  # --dump-after S DIR: [seconds, folder]
 STALLS: list[Path] = []  # --stalls DIR: each server's processes say where they stalled
 # ([DIR, the running server's folder])
 
@@ -303,6 +305,41 @@ def thread_names(pid: int) -> dict[int, str]:
             for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]*)"', dump)}
 
 
+def dump_waiting(server: Server, seed: int, sent: float) -> None:
+    """The stacks of every thread of the server's processes (py-spy dump, without stopping
+    them), written to DUMPS[1] while request `seed` (sent at `sent`) waits for its first
+    token: the first process (with one API server, the API server) and its descendants."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    pids = [server.proc.pid, *descendants(server.proc.pid)]
+    out = [f"request image {seed}, waiting {time.time() - sent:.3f} s at {time.time():.3f}"]
+    for pid in pids:
+        out.append(f"===== pid {pid}")
+        if spy is None:
+            out.append("no stacks: py-spy is not installed (pip install py-spy)")
+            continue
+        dump = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
+                              capture_output=True, text=True, timeout=60)
+        out += [dump.stdout, dump.stderr]
+    out.append(f"done at {time.time():.3f}")
+    (DUMPS[1] / f"{sent:.3f}-{seed}.txt").write_text("\n".join(out))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (/proc's children lists)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+            kids = {int(c) for t in tasks
+                    for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()}
+        except (OSError, ValueError):
+            continue
+        found += sorted(kids)
+        todo += sorted(kids)
+    return found
+
+
 def by_thread(pid: int, before: dict[int, float], n: int) -> dict[str, float]:
     """CPU ms per request of process `pid`'s threads since `before`, summed by Python name
     (the threads Python did not start, or all without py-spy: "other threads")."""
@@ -333,7 +370,13 @@ def run_cell(server: Server, seeds: list[int], concurrency: int,
                     return
                 seed = queue.pop(0)
             sent = time.time()
+            timer = None
+            if DUMPS:  # still without a first token after DUMPS[0] s: where the server is
+                timer = threading.Timer(DUMPS[0], dump_waiting, args=(server, seed, sent))
+                timer.start()
             took = ttft(server, seed)
+            if timer is not None:
+                timer.cancel()
             with lock:
                 times.append(took)
                 timeline.append((sent, took, seed))
@@ -466,6 +509,10 @@ def main() -> None:
     parser.add_argument("--stalls", type=Path,
                         help="a folder where every process of each server writes the stacks "
                         "of its threads whenever none of them could run for 0.3 s, and when")
+    parser.add_argument("--dump-after", nargs=2, metavar=("SECONDS", "DIR"),
+                        help="a request still without its first token after SECONDS: the "
+                        "stacks of every thread of the server's processes (py-spy dump) "
+                        "written to DIR")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a PNG of TTFT p50 per cell and configuration")
     parser.add_argument("--from-json", type=Path, help="report (and plot) a saved --json run")
@@ -484,6 +531,9 @@ def main() -> None:
     TIMELINE = args.timeline
     if args.stalls:
         STALLS.append(args.stalls.resolve())
+    if args.dump_after:
+        DUMPS[:] = [float(args.dump_after[0]), Path(args.dump_after[1]).resolve()]
+        DUMPS[1].mkdir(parents=True, exist_ok=True)
     IMAGES = Images(args.photo_mp, args.source)
     names = [c for c in args.configs.split(",") if c]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in names}

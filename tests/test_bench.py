@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -195,3 +196,41 @@ def test_bench_scrape_compares_stats_with_the_full_walk() -> None:
     assert owed.group(3) == owed.group(4) and int(owed.group(3).replace(",", "")) >= 2_000
     for label in ("nothing", "stats()", "the walk"):
         assert re.search(rf"{re.escape(label)} +[\d.]+ / +[\d.]+ ms", lagging), lagging
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (scripts/setup.sh installs it)")
+def test_bench_serve_dumps_every_process_of_a_server_whose_request_waits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dump-after: the stacks of the server's first process and of each one below it (py-spy
+    where installed; without it, the file still names them and says why it has no stacks)."""
+    import time
+    import types
+
+    from bench import bench_serve
+    from tests._waiting import wait_for
+
+    script = ("import subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "print('ready', flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"ready\n"
+        wait_for(lambda: bench_serve.descendants(parent.pid), 30, "the server's child")
+        child = bench_serve.descendants(parent.pid)[0]
+        monkeypatch.setattr(bench_serve, "DUMPS", [0.6, tmp_path])
+        server = types.SimpleNamespace(proc=types.SimpleNamespace(pid=parent.pid))
+        bench_serve.dump_waiting(server, 7, time.time() - 0.7)  # type: ignore[arg-type]
+        (dump,) = tmp_path.iterdir()
+        text = dump.read_text()
+        assert text.startswith("request image 7, waiting 0.7")
+        assert f"===== pid {parent.pid}" in text and f"===== pid {child}" in text
+        stacks = len(re.findall(r"^Thread \d+ ", text, re.M))  # py-spy's, one a thread
+        assert stacks == 2 or text.count("py-spy is not installed") == 2, text
+    finally:
+        for pid in bench_serve.descendants(parent.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        parent.kill()
+        parent.wait(30)
+        if parent.stdout is not None:
+            parent.stdout.close()
