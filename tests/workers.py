@@ -257,6 +257,8 @@ def toy_processor(gate_dir: str = "") -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
         if job.get("when_lent"):  # "die" or "wait" once the pool lends the item's chunk
             _when_lent(job["when_lent"], gate_dir)
+        if job.get("begin_twice"):  # a worker that asks for a second chunk before its done
+            _begin_twice()
         if job.get("fail"):
             raise ValueError(f"cannot decode image: {job['fail']}")
         if job.get("decline"):
@@ -296,6 +298,21 @@ def _when_lent(what: str, gate_dir: str) -> None:
                 time.sleep(0.01)
         return answer
     msgpack.unpackb = unpackb
+
+
+def _begin_twice() -> None:
+    """In a pool worker: this job's item asks for a chunk (lent), then asks again (a begin out
+    of turn) and goes on with the pool's answer to that."""
+    from shmstore.serving import _crew
+
+    real = _crew._write
+
+    def twice(say: Any, conn: Any, buf: Any, key: str, value: Any) -> Any:
+        _crew._write = real
+        say(_crew.Says.BEGIN, key, 80 * 1024, 0)  # a chunk as large as the item
+        conn.recv_bytes()  # lent
+        return real(say, conn, buf, key, value)
+    _crew._write = twice
 
 
 def broken_processor() -> Any:

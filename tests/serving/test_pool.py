@@ -174,6 +174,21 @@ def test_a_worker_killed_with_a_chunk_lent_has_it_given_back_and_nothing_publish
         assert pool.stats().fallback["died"] == 3
 
 
+def test_a_second_begin_before_a_done_is_refused_and_the_lent_chunk_given_back(
+        name: str) -> None:
+    """A worker that asks for a chunk while one is lent to it (our own child, yet never
+    trusted): the second begin is refused, the job fails, and the first chunk goes back to
+    the ring unpublished; the worker takes the next job."""
+    with hosted(name, capacity_bytes=192 * KIB, max_object_bytes=96 * KIB) as writer, \
+            pool_of(name, 1) as pool:
+        for _ in range(3):  # each leaves a lent chunk behind if it is not given back
+            future = pool.submit("twice", {"bytes": b"t" * (80 * KIB), "begin_twice": True})
+            assert future.result(timeout=READY_S) == "failed"
+        assert writer.cached(["twice"]) == [False] and writer.stats().objects == 0
+        assert outcome(pool, "twice", {"bytes": b"t" * (80 * KIB)}) == STORED
+        assert pool.stats().restarts == 0 and pool.stats().fallback["failed"] == 3
+
+
 def test_a_key_put_while_its_chunk_is_written_ends_stored_with_the_first_copy(
         name: str, tmp_path: Any) -> None:
     """Another writer of the node puts the key between the chunk's lending and its
