@@ -142,7 +142,11 @@ class PythonSlots:
                 return True
             bell.wait(seconds)
         finally:
-            words.exchange(flag, 0)
+            try:
+                words.exchange(flag, 0)
+            except BaseException:  # a signal handler that raised as this line began: the
+                words.exchange(flag, 0)  # flag still said "asleep" (writers would ring)
+                raise
         return words.load_acquire(slot) == seq
 
     def release(self) -> None:
