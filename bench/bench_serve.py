@@ -292,11 +292,16 @@ def thread_seconds(pid: int) -> dict[int, float]:
     return found
 
 
+def py_spy() -> str | None:
+    """py-spy's path (on PATH or beside this Python), None where it is not installed."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """Python's names of the threads of process `pid` (py-spy's dump; Python 3.11 gives the
     kernel none), a pool's workers under their pool's name ("ThreadPoolExecutor-1"); {} without
     py-spy."""
-    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    spy = py_spy()
     if spy is None:
         return {}
     dump = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
@@ -309,7 +314,7 @@ def dump_waiting(server: Server, seed: int, sent: float) -> None:
     """The stacks of every thread of the server's processes (py-spy dump, without stopping
     them), written to DUMPS[1] while request `seed` (sent at `sent`) waits for its first
     token: the first process (with one API server, the API server) and its descendants."""
-    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    spy = py_spy()
     pids = [server.proc.pid, *descendants(server.proc.pid)]
     out = [f"request image {seed}, waiting {time.time() - sent:.3f} s at {time.time():.3f}"]
     for pid in pids:

@@ -33,7 +33,9 @@ from typing import Any
 
 import msgpack
 
-from ._lending import Lending, PoolStore
+from ..serde._codec import encode
+from ..shm._segment import ALIGN_BYTES
+from ._lending import LENT, REFUSED, Lending, PoolStore
 from ._log import log
 from ._outcome import STORED, Outcome, Processor
 
@@ -332,9 +334,6 @@ def _write(say: Any, conn: Connection, buf: memoryview, key: str, value: Any
            ) -> tuple[Outcome, str]:
     """Encode `value`, ask the dispatcher for a chunk and write it there: the job's outcome
     (STORED: written, for the dispatcher to publish). EOFError, OSError: the pool is gone."""
-    from ..serde._codec import encode
-    from ..shm._segment import ALIGN_BYTES
-
     try:
         enc = encode(value)
     except Exception as exc:
@@ -342,10 +341,10 @@ def _write(say: Any, conn: Connection, buf: memoryview, key: str, value: Any
     say(Says.BEGIN, key, enc.nbytes, enc.structure_crc)
     answer = msgpack.unpackb(conn.recv_bytes(), raw=False)
     try:
-        if answer[0] == "refused":
+        if answer[0] == REFUSED:
             return Outcome(answer[1]), str(answer[2])
         word, loan, offset = answer
-        if word != "lent" or type(offset) is not int:
+        if word != LENT or type(offset) is not int:
             raise ValueError(word)
     except (ValueError, TypeError, IndexError, KeyError):
         return Outcome.FAILED, f"an answer to begin that is not one: {answer!r:.80}"

@@ -106,16 +106,21 @@ class Writers:
         dispatcher asks before a job goes to a worker); False, at once, when another thread
         holds the lock: a hint is not worth a wait. A key stored meanwhile is processed, and
         the chunk its worker asks for is refused (STORED: serving/_lending.py)."""
-        if self.local is None:
-            raise InvalidArgument("only the process that created the store can ask it "
-                                  "directly; a remote writer asks its host (cached)",
-                                  "local", None)
+        local = self._own()
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            return self.local.is_cached(key)
+            return local.is_cached(key)
         finally:
             self.lock.release()
+
+    def _own(self) -> StoreWriter:
+        """The store's own writer; InvalidArgument in a process that did not create it."""
+        if self.local is None:
+            raise InvalidArgument("only the process that created the store asks it directly "
+                                  "and fills it through a miss pool; a remote writer asks its "
+                                  "host (cached)", "local", None)
+        return self.local
 
     @property
     def name(self) -> str:
@@ -123,18 +128,12 @@ class Writers:
 
     @property
     def epoch(self) -> int:
-        if self.local is None:
-            raise InvalidArgument("only the process that created the store fills it through a "
-                                  "miss pool", "local", None)
-        return self.local.epoch
+        return self._own().epoch
 
     def lending(self) -> Lending:
         """A miss pool worker's chunks of the local store (serving/_lending.py), under the
         writer's lock."""
-        if self.local is None:
-            raise InvalidArgument("only the process that created the store fills it through a "
-                                  "miss pool", "local", None)
-        return Lending(self.local, self.lock)
+        return Lending(self._own(), self.lock)
 
     @property
     def role(self) -> str:

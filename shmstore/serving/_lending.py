@@ -24,9 +24,10 @@ from ..store._lender import Lender
 from ..store._writer import StoreWriter
 from ._outcome import STORED, Outcome
 
-__all__ = ["PoolStore", "Lending", "ANOTHER"]
+__all__ = ["PoolStore", "Lending", "ANOTHER", "LENT", "REFUSED"]
 
 ANOTHER = "stored by another meanwhile"  # a STORED answer's detail: the key was put meanwhile
+LENT, REFUSED = "lent", "refused"  # the first word of the dispatcher's answer to a begin
 
 
 class PoolStore(Protocol):
@@ -59,17 +60,17 @@ class Lending:
         FAILED)."""
         if not (isinstance(key, str) and type(nbytes) is int and type(crc) is int
                 and nbytes >= 0 and 0 <= crc < 1 << 32):
-            return ["refused", Outcome.FAILED.value, "a malformed begin"]
+            return [REFUSED, Outcome.FAILED.value, "a malformed begin"]
         try:
             with self._lock:
                 loan, offset = self._lender.begin(key, nbytes, crc)
         except KeyExists:
-            return ["refused", STORED.value, ANOTHER]
+            return [REFUSED, STORED.value, ANOTHER]
         except (StoreFull, ObjectTooLarge) as exc:
-            return ["refused", Outcome.STORE_FULL.value, str(exc)]
+            return [REFUSED, Outcome.STORE_FULL.value, str(exc)]
         except (ShmStoreError, ValueError) as exc:
-            return ["refused", Outcome.FAILED.value, f"{type(exc).__name__}: {exc}"]
-        return ["lent", loan, offset]
+            return [REFUSED, Outcome.FAILED.value, f"{type(exc).__name__}: {exc}"]
+        return [LENT, loan, offset]
 
     def end(self, loan: int, outcome: Outcome, detail: str) -> tuple[Outcome, str]:
         """The worker's job on chunk `loan` ended with `outcome`: a STORED body is published

@@ -54,7 +54,7 @@ import msgpack
 
 from ..errors import InvalidArgument, ShmStoreError
 from ._crew import BROKEN_STARTS, REAP_POLL_S, STOP_TIMEOUT_S, Crew, Says, Worker
-from ._lending import PoolStore
+from ._lending import LENT, REFUSED, PoolStore
 from ._log import log
 from ._outcome import FALLBACKS, STORED, Outcome, PoolStats, Processor, check_job
 
@@ -312,10 +312,10 @@ class MissPool:
         carries the job's final outcome (False: _heard settles it)."""
         kind = message[0] if isinstance(message, list) and message else None
         if kind == Says.BEGIN:
-            answer: list[Any] = ["refused", Outcome.FAILED.value, "a begin out of turn"]
+            answer: list[Any] = [REFUSED, Outcome.FAILED.value, "a begin out of turn"]
             if len(message) == 4 and w.key is not None and w.loan is None:
                 answer = w.lending.begin(*message[1:])
-            if answer[0] == "lent":
+            if answer[0] == LENT:
                 w.loan = answer[1]
             w.send(msgpack.packb(answer, use_bin_type=True))
             return True

@@ -229,15 +229,11 @@ def opened_by(path: bytes | str) -> list[int]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         base = f"/proc/{pid}"
         try:
-            if _has_open(base, path):
-                found.append(int(pid))
-                continue
-            if os.listdir(f"{base}/fd"):  # its descriptors are its own: not open
-                continue
-            tids = os.listdir(f"{base}/task")
+            places = ([base] if os.listdir(f"{base}/fd") else
+                      [f"{base}/task/{tid}" for tid in os.listdir(f"{base}/task") if tid != pid])
         except OSError:
             continue
-        if any(_has_open(f"{base}/task/{tid}", path) for tid in tids if tid != pid):
+        if any(_has_open(place, path) for place in places):
             found.append(int(pid))
     return found
 

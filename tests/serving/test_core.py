@@ -217,8 +217,10 @@ def test_the_pools_question_stored_never_waits_on_a_thread_holding_the_writer(
             release.set()
             holder.join(60)
         assert writers.stored("k")
-        with pytest.raises(InvalidArgument, match="asks its host"):
-            dataclasses.replace(writers, local=None).stored("k")
+        remote = dataclasses.replace(writers, local=None)
+        for ask in (lambda: remote.stored("k"), lambda: remote.epoch, remote.lending):
+            with pytest.raises(InvalidArgument, match="through a miss pool; a remote writer"):
+                ask()
     finally:
         writers.close()
 
